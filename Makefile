@@ -1,0 +1,36 @@
+# The interface: install, test, demo, lint. `make test` and `make demo`
+# each set up everything they need on a fresh machine.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO_DIR := runs/tiny_cpu
+
+.PHONY: install test demo lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# torch first: the CPU build from the local wheel store (CUDA users install theirs before).
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[dev]'
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest
+
+# A short 2-rank FSDP2 run of the tiny config (on CPU over gloo when there is no GPU).
+demo: install
+	rm -rf $(DEMO_DIR)
+	PYTHON=$(PY) launch/torchrun.sh --nproc 2 configs/tiny_cpu.toml --job.dump_folder $(DEMO_DIR)
+	$(PY) -m mhar_titan.tensorboard_scalars $(DEMO_DIR)
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+clean:
+	rm -rf $(VENV) runs *.egg-info

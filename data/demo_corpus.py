@@ -1,0 +1,86 @@
+"""Build the demo corpus and tokenizer that `make demo` and the CPU tests train on.
+
+The corpus is the long docstrings of CPython's standard library (PSF licence):
+real English prose and code, about 1.2 MB, with no download. The outputs are
+committed under `assets/tiny/`, so every machine trains on the same bytes
+whatever its Python version; run this module only to rebuild them:
+
+    python -m data.demo_corpus assets/tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+BOS = "<|begin_of_text|>"
+EOS = "<|end_of_text|>"
+_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__"}
+
+
+def stdlib_docstrings(min_chars: int = 200) -> list[tuple[str, str]]:
+    """(text, source) pairs; source is the top-level stdlib module or package."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs: list[tuple[str, str]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            path = Path(dirpath) / name
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError):
+                continue
+            source = path.relative_to(root).parts[0].removesuffix(".py")
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    text = ast.get_docstring(node)
+                    if text and len(text) >= min_chars:
+                        docs.append((text, source))
+    return docs
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE with Llama-3-style special tokens, so any text encodes."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def build(out_dir: Path, num_shards: int = 4, vocab_size: int = 2048) -> None:
+    docs = stdlib_docstrings()
+    shard_dir = out_dir / "corpus"
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    for i in range(num_shards):
+        part = docs[i::num_shards]
+        table = pa.table({"text": [t for t, _ in part], "source": [s for _, s in part]})
+        pq.write_table(table, shard_dir / f"shard-{i:05d}.parquet", row_group_size=128)
+    tok = train_tokenizer([t for t, _ in docs], vocab_size)
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {"bos_token": BOS, "eos_token": EOS, "add_bos_token": True, "add_eos_token": False}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    print(f"{len(docs)} documents in {num_shards} shards, vocab {tok.get_vocab_size()}, in {out_dir}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    args = parser.parse_args()
+    build(args.out_dir)

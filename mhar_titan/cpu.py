@@ -1,0 +1,164 @@
+"""Run torchtitan's trainer on CPU processes over gloo.
+
+torchtitan 0.2.2 hard-wires its device to CUDA at import time, gloo has no
+PREMUL_SUM reduction (and a known AVG bug), and FlexAttention has no CPU
+backward. `activate()` fixes all three in one place, so the rest of the project
+runs the same code on 8 GPUs and on 2 CPU ranks in CI. Nothing else in the
+project knows which device it runs on.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import platform
+import resource
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torchtitan.protocols.train_spec import TrainSpec
+from torchtitan.tools.logging import logger
+
+
+def should_activate() -> bool:
+    """CPU mode when this host has no CUDA device (CI, laptops, login nodes)."""
+    return not torch.cuda.is_available()
+
+
+class CPUDeviceModule:
+    """The subset of the `torch.cuda` API torchtitan calls, answered for the host.
+
+    Memory figures are the process's resident set (VmHWM), the CPU analogue of
+    the CUDA caching allocator's peak.
+    """
+
+    def set_device(self, device: torch.device | int | str) -> None:
+        pass
+
+    def current_device(self) -> int:
+        return 0
+
+    def device_count(self) -> int:
+        return 1
+
+    def synchronize(self, device: Any = None) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def get_device_name(self, device: Any = None) -> str:
+        return _cpu_model_name()
+
+    def get_device_properties(self, device: Any = None) -> SimpleNamespace:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return SimpleNamespace(name=_cpu_model_name(), total_memory=total)
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        # Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0).
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+    def memory_stats(self, device: Any = None) -> dict[str, int]:
+        peak = _peak_rss_bytes()
+        return {
+            "active_bytes.all.peak": peak,
+            "reserved_bytes.all.peak": peak,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
+
+
+@functools.cache
+def _cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return "CPU " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU " + (platform.processor() or platform.machine())
+
+
+def _peak_rss_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# Modules that bound torchtitan.tools.utils.device_type / device_module by name.
+_DEVICE_GLOBALS = {
+    "torchtitan.tools.utils": ("device_type", "device_module"),
+    "torchtitan.components.metrics": ("device_type", "device_module"),
+    "torchtitan.distributed.parallel_dims": ("device_type",),
+    "torchtitan.distributed.utils": ("device_type", "device_module"),
+    "torchtitan.tools.profiling": ("device_module",),
+}
+
+_active = False
+
+
+def activate(train_specs: list[TrainSpec]) -> None:
+    """Point torchtitan at the CPU and adapt `train_specs` for gloo and sdpa."""
+    global _active
+    if not _active:
+        install_device_module()
+        _active = True
+        logger.info(f"No CUDA device: training on {_cpu_model_name()} with gloo")
+    for spec in train_specs:
+        adapt_train_spec(spec)
+
+
+def install_device_module() -> None:
+    """Replace torchtitan's CUDA device globals with the CPU ones."""
+    values = {"device_type": "cpu", "device_module": CPUDeviceModule()}
+    for module_name, names in _DEVICE_GLOBALS.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            if not hasattr(module, name):
+                raise RuntimeError(f"{module_name}.{name} is gone: torchtitan is not 0.2.2")
+            setattr(module, name, values[name])
+
+
+def adapt_train_spec(spec: TrainSpec) -> None:
+    """SUM gradient reductions on every FSDP unit; sdpa attention in every flavor."""
+    if not getattr(spec.parallelize_fn, "_cpu_sum_reductions", False):
+        spec.parallelize_fn = _sum_reductions(spec.parallelize_fn)
+    for flavor, args in spec.model_args.items():
+        if getattr(args, "attn_type", "sdpa") != "sdpa":
+            logger.warning(f"CPU: flavor {flavor} uses {args.attn_type} attention; using sdpa")
+            args.attn_type = "sdpa"
+            args.attn_mask_type = "causal"
+
+
+def _sum_reductions(parallelize_fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """Make every FSDP unit reduce gradients with plain SUM (gloo lacks PREMUL_SUM).
+
+    torchtitan already sets the gradient divide factor to 1 and divides the loss
+    by the global token count, so SUM is the exact reduction it wants.
+    """
+
+    @functools.wraps(parallelize_fn)
+    def parallelize(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        model = parallelize_fn(model, *args, **kwargs)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+        return model
+
+    parallelize._cpu_sum_reductions = True  # type: ignore[attr-defined]
+    return parallelize

@@ -1,0 +1,60 @@
+"""Read scalars back from a run's TensorBoard event files.
+
+A resumed job writes a new event file (often a new folder under `tb/`); steps
+it repeats after resuming from an earlier checkpoint replace the old values,
+so the merged series is what the run finally computed.
+
+    python -m mhar_titan.tensorboard_scalars RUN_DIR [--tag TAG]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+LOSS_TAG = "loss_metrics/global_avg_loss"
+
+
+def event_files(run_dir: str | Path) -> list[Path]:
+    files = sorted(Path(run_dir).rglob("events.out.tfevents.*"))
+    if not files:
+        raise FileNotFoundError(f"no TensorBoard event files under {run_dir}")
+    return files
+
+
+def read_scalars(run_dir: str | Path, tag: str = LOSS_TAG) -> dict[int, float]:
+    """{step: value} for `tag`, merged over every event file of the run in write order."""
+    series = []
+    for path in event_files(run_dir):
+        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            events = acc.Scalars(tag)
+            if events:
+                series.append((events[0].wall_time, events))
+    if not series:
+        raise KeyError(f"tag {tag!r} not found in the event files under {run_dir}")
+    merged: dict[int, float] = {}
+    for _, events in sorted(series, key=lambda s: s[0]):
+        merged.update((e.step, e.value) for e in events)
+    return dict(sorted(merged.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Summarise a scalar of a run's TensorBoard logs.")
+    parser.add_argument("run_dir")
+    parser.add_argument("--tag", default=LOSS_TAG)
+    args = parser.parse_args()
+    values = read_scalars(args.run_dir, args.tag)
+    steps = list(values)
+    k = max(1, len(steps) // 10)
+    head = sum(values[s] for s in steps[:k]) / k
+    tail = sum(values[s] for s in steps[-k:]) / k
+    print(f"{args.tag}: {len(steps)} steps ({steps[0]}..{steps[-1]}) in {args.run_dir}")
+    print(f"  mean of first {k}: {head:.4f}   mean of last {k}: {tail:.4f}   change: {tail - head:+.4f}")
+
+
+if __name__ == "__main__":
+    main()

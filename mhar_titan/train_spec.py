@@ -1,0 +1,85 @@
+"""The project's torchtitan train spec and its model flavors.
+
+Both arms of the pair train through this one spec; they differ only in the
+`[mhar]` section of their config.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.optimizer import build_optimizers
+from torchtitan.components.tokenizer import build_hf_tokenizer
+from torchtitan.components.validate import build_validator
+from torchtitan.distributed.pipeline_parallel import pipeline_llm
+from torchtitan.hf_datasets.text_datasets import build_text_dataloader
+from torchtitan.models.llama3 import Transformer, TransformerModelArgs, parallelize_llama
+from torchtitan.models.llama3.model.args import RoPEScalingArgs
+from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+
+import data.parquet_text  # noqa: F401  (registers the "parquet" dataset)
+
+MODEL_NAME = "llama3_mhar"
+
+FLAVORS: dict[str, TransformerModelArgs] = {
+    # A few million parameters for CPU runs: the demo and the test suite.
+    # vocab 2048 matches assets/tiny/tokenizer.json; eos 1 is its <|end_of_text|>.
+    "tiny": TransformerModelArgs(
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=2048,
+        multiple_of=256,
+        norm_eps=1e-5,
+        rope_theta=500000,
+        eos_id=1,
+    ),
+    # Marin-8B (Llama-3.1 architecture): DESIGN.md section 1.
+    "marin8b": TransformerModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        norm_eps=1e-5,
+        rope_theta=500000,
+        rope_scaling_args=RoPEScalingArgs(
+            scaling_factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        eos_id=128001,
+    ),
+}
+
+
+def build_train_spec() -> TrainSpec:
+    return TrainSpec(
+        model_cls=Transformer,
+        model_args=copy.deepcopy(FLAVORS),  # the trainer and cpu.py mutate them
+        parallelize_fn=parallelize_llama,
+        pipelining_fn=pipeline_llm,
+        build_optimizers_fn=build_optimizers,
+        build_lr_schedulers_fn=build_lr_schedulers,
+        build_dataloader_fn=build_text_dataloader,
+        build_tokenizer_fn=build_hf_tokenizer,
+        build_loss_fn=build_cross_entropy_loss,
+        build_validator_fn=build_validator,
+        state_dict_adapter=Llama3StateDictAdapter,
+    )
+
+
+def train_spec() -> TrainSpec:
+    """The registered spec (registering it on first use)."""
+    try:
+        return get_train_spec(MODEL_NAME)
+    except ValueError:
+        register_train_spec(MODEL_NAME, build_train_spec())
+        return get_train_spec(MODEL_NAME)

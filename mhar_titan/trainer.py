@@ -1,0 +1,53 @@
+"""The project's Trainer: torchtitan's, plus the state and metrics the recipe adds."""
+
+from __future__ import annotations
+
+import torch
+from torchtitan.config import ConfigManager, JobConfig
+from torchtitan.tools.logging import init_logger, logger
+from torchtitan.train import Trainer
+
+from mhar_titan import cpu
+from mhar_titan.train_spec import MODEL_NAME, train_spec
+
+CONFIG_MODULE = "mhar_titan.config"
+_CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-module")
+
+
+class CPTTrainer(Trainer):
+    """torchtitan's Trainer; the recipe's EMA state and extra metrics hook in here."""
+
+
+def parse_config(argv: list[str]) -> JobConfig:
+    """torchtitan's TOML + CLI parsing, with this project's config sections merged in."""
+    if not any(arg.split("=", 1)[0] in _CONFIG_MODULE_FLAGS for arg in argv):
+        argv = [*argv, f"--job.custom_config_module={CONFIG_MODULE}"]
+    config = ConfigManager().parse_args(argv)
+    if config.model.name != MODEL_NAME:
+        raise ValueError(f"[model] name = {config.model.name!r}: train_cpt.py trains {MODEL_NAME!r}")
+    return config
+
+
+def run(argv: list[str]) -> None:
+    """Parse, train, and tear down, as torchtitan.train.main does for its Trainer."""
+    init_logger()
+    config = parse_config(argv)
+    if cpu.should_activate():
+        cpu.activate([train_spec()])
+    trainer: CPTTrainer | None = None
+    try:
+        trainer = CPTTrainer(config)
+        if config.checkpoint.create_seed_checkpoint:
+            if torch.distributed.get_world_size() != 1:
+                raise ValueError("checkpoint.create_seed_checkpoint needs a single process")
+            if not config.checkpoint.enable:
+                raise ValueError("checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

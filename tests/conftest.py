@@ -1,0 +1,30 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def torchrun(dump_folder: Path, *overrides: str, nproc: int = 2, config: str = "configs/tiny_cpu.toml"):
+    """Run train_cpt.py under torchrun on `nproc` local processes; fail with its output."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(REPO / "train_cpt.py"),
+        "--job.config_file",
+        config,
+        "--job.dump_folder",
+        str(dump_folder),
+        *overrides,
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc

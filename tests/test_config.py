@@ -1,0 +1,62 @@
+"""Job configs parse through train_cpt's parser and hold the recipe they claim."""
+
+import pytest
+import torch
+from conftest import REPO
+
+from mhar_titan.train_spec import FLAVORS, MODEL_NAME, build_train_spec
+from mhar_titan.trainer import CONFIG_MODULE, parse_config
+
+
+def _parse(name: str, *overrides: str):
+    return parse_config(["--job.config_file", str(REPO / "configs" / name), *overrides])
+
+
+def test_tiny_config_parses_with_project_sections():
+    cfg = _parse("tiny_cpu.toml", "--training.steps", "7")
+    assert cfg.job.custom_config_module == CONFIG_MODULE
+    assert cfg.model.name == MODEL_NAME and cfg.model.flavor == "tiny"
+    assert cfg.training.steps == 7
+    assert cfg.training.seq_len in range(128, 257)
+
+
+def test_marin8b_control_config_holds_the_recipe():
+    cfg = _parse("marin8b_control.toml")
+    t, o, s = cfg.training, cfg.optimizer, cfg.lr_scheduler
+    assert (t.seq_len, t.local_batch_size, t.global_batch_size, t.steps) == (4096, 2, 256, 9500)
+    assert (t.dtype, t.mixed_precision_param, t.mixed_precision_reduce) == ("float32", "bfloat16", "float32")
+    assert t.max_norm == 1.0
+    assert (o.name, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay) == ("AdamW", 4e-4, 0.9, 0.95, 1e-8, 0.05)
+    assert s.decay_type == "linear" and o.lr * s.min_lr_factor == pytest.approx(4e-6, rel=1e-12)
+    assert cfg.activation_checkpoint.mode == "full"
+    assert cfg.compile.enable and "model" in cfg.compile.components
+    assert cfg.parallelism.data_parallel_shard_degree == -1
+    assert cfg.checkpoint.initial_load_in_hf and cfg.model.flavor == "marin8b"
+
+
+def test_other_model_names_are_refused_by_name():
+    with pytest.raises(ValueError, match="'llama3'"):
+        _parse("tiny_cpu.toml", "--model.name", "llama3")
+
+
+def test_marin8b_flavor_is_llama31_8b():
+    args = FLAVORS["marin8b"]
+    with torch.device("meta"):
+        model = build_train_spec().model_cls(args)
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248  # Llama-3.1-8B
+    assert model.layers["0"].feed_forward.w1.out_features == 14336
+    assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads) == (4096, 32, 32, 8)
+    assert (args.vocab_size, args.norm_eps, args.rope_theta) == (128256, 1e-5, 500000)
+    r = args.rope_scaling_args
+    assert (r.scaling_factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings) == (
+        8.0,
+        1.0,
+        4.0,
+        8192,
+    )
+
+
+def test_tiny_flavor_has_a_few_million_parameters():
+    with torch.device("meta"):
+        model = build_train_spec().model_cls(FLAVORS["tiny"])
+    assert 1_000_000 < sum(p.numel() for p in model.parameters()) < 10_000_000

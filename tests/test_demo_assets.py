@@ -1,0 +1,43 @@
+"""The committed demo corpus and tokenizer agree with the tiny flavor."""
+
+import random
+import string
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import REPO
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+from data.parquet_text import load_parquet
+from mhar_titan.train_spec import FLAVORS
+
+ASSETS = REPO / "assets" / "tiny"
+
+
+def test_tokenizer_matches_tiny_flavor_and_round_trips():
+    tok = HuggingFaceTokenizer(str(ASSETS))
+    assert tok.get_vocab_size() == FLAVORS["tiny"].vocab_size
+    assert tok.eos_id == FLAVORS["tiny"].eos_id
+    assert tok.bos_id is not None and tok.bos_id != tok.eos_id
+    rng = random.Random()
+    text = "".join(rng.choice(string.printable + "éß→€") for _ in range(500))
+    ids = tok.encode(text, add_bos=True, add_eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert tok.decode(ids[1:-1]) == text
+
+
+def test_corpus_shards_hold_nonempty_text_with_sources():
+    shards = sorted((ASSETS / "corpus").glob("*.parquet"))
+    assert len(shards) == 4
+    rows = 0
+    for shard in shards:
+        table = pq.read_table(shard)
+        assert table.column_names == ["text", "source"]
+        assert all(len(t) >= 200 for t in table.column("text").to_pylist())
+        rows += table.num_rows
+    assert len(load_parquet(str(ASSETS / "corpus"))) == rows > 2000
+
+
+def test_missing_dataset_path_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_parquet(str(tmp_path / "nowhere"))
