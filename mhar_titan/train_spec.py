@@ -1,7 +1,7 @@
 """The project's torchtitan train spec and its model flavors.
 
-Both arms of the pair train through this one spec; they differ only in the
-`[mhar]` section of their config.
+One spec for both arms of the pair: the control and the MHAR run train the
+same code and differ only in their config.
 """
 
 from __future__ import annotations
