@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-DEMO_DIR := runs/tiny_cpu
+DEMO_DIR := runs/tiny
 
 .PHONY: install test demo lint clean
 
@@ -22,11 +22,15 @@ $(STAMP): pyproject.toml
 test: install
 	$(PY) -m pytest
 
-# A short 2-rank FSDP2 run of the tiny config (on CPU over gloo when there is no GPU).
+# The tiny pair, control then MHAR, each a 2-rank FSDP2 run (on CPU over gloo without a GPU).
 demo: install
 	rm -rf $(DEMO_DIR)
-	PYTHON=$(PY) launch/torchrun.sh --nproc 2 configs/tiny_cpu.toml --job.dump_folder $(DEMO_DIR)
-	$(PY) -m mhar_titan.tensorboard_scalars $(DEMO_DIR)
+	PYTHON=$(PY) launch/torchrun.sh --nproc 2 configs/tiny_cpu.toml --job.dump_folder $(DEMO_DIR)/control
+	PYTHON=$(PY) launch/torchrun.sh --nproc 2 configs/tiny_cpu_mhar.toml --job.dump_folder $(DEMO_DIR)/mhar
+	$(PY) -m mhar_titan.tensorboard_scalars $(DEMO_DIR)/control
+	$(PY) -m mhar_titan.tensorboard_scalars $(DEMO_DIR)/mhar
+	$(PY) -m mhar_titan.tensorboard_scalars $(DEMO_DIR)/mhar --tag mhar/gate/mean
+	@echo "TensorBoard: $(VENV)/bin/tensorboard --logdir $(DEMO_DIR)"
 
 lint: install
 	$(PY) -m ruff check .

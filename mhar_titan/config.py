@@ -1,13 +1,48 @@
 """The project's config sections, merged into torchtitan's JobConfig.
 
 `train_cpt.py` passes `--job.custom_config_module=mhar_titan.config` unless the
-command line names another module, so every job has these sections. Each
-component adds its section here next to the code that reads it.
+command line names another module, so every job has these sections.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kernels.routing import BACKENDS
+
+
+@dataclass
+class MHAR:
+    """`[mhar]`: delta multi-head attention residuals. The control arm has enable = false."""
+
+    enable: bool = False
+    num_heads: int = 8
+    """Routing heads H per site; must divide the model width."""
+    num_blocks: int = 8
+    """Blocks whose aggregated deltas become sources; must divide the layer count."""
+    backend: str = "auto"
+    """auto (triton on CUDA once built, torch elsewhere), torch or triton."""
+    lr_multiplier: float = 1.0
+    """Routing parameters train at lr * lr_multiplier, without weight decay."""
+    stats_freq: int = 10
+    """Log routing statistics to TensorBoard every this many steps (0: never)."""
+
+    def validate(self, dim: int, n_layers: int) -> None:
+        """Fail at start-up, naming the setting, on values the model cannot use (only when enabled)."""
+        if not self.enable:
+            return
+        if self.num_heads <= 0 or dim % self.num_heads:
+            raise ValueError(f"[mhar] num_heads = {self.num_heads} must be positive and divide the model width {dim}")
+        if self.num_blocks <= 0 or n_layers % self.num_blocks:
+            raise ValueError(
+                f"[mhar] num_blocks = {self.num_blocks} must be positive and divide the layer count {n_layers}"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"[mhar] backend = {self.backend!r} must be one of {', '.join(BACKENDS)}")
+        if not self.lr_multiplier >= 0:
+            raise ValueError(f"[mhar] lr_multiplier = {self.lr_multiplier} must be >= 0")
+        if self.stats_freq < 0:
+            raise ValueError(f"[mhar] stats_freq = {self.stats_freq} must be >= 0 (0 turns statistics off)")
 
 
 @dataclass
 class JobConfig:
-    pass
+    mhar: MHAR = field(default_factory=MHAR)

@@ -10,24 +10,24 @@ import copy
 
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers
 from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.components.validate import build_validator
-from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan.hf_datasets.text_datasets import build_text_dataloader
-from torchtitan.models.llama3 import Transformer, TransformerModelArgs, parallelize_llama
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 import data.parquet_text  # noqa: F401  (registers the "parquet" dataset)
+from mhar_titan.model import MHARModelArgs, MHARTransformer
+from mhar_titan.optimizer import build_optimizers
+from mhar_titan.parallelize import parallelize
 
 MODEL_NAME = "llama3_mhar"
 
-FLAVORS: dict[str, TransformerModelArgs] = {
+FLAVORS: dict[str, MHARModelArgs] = {
     # A few million parameters for CPU runs: the demo and the test suite.
     # vocab 2048 matches assets/tiny/tokenizer.json; eos 1 is its <|end_of_text|>.
-    "tiny": TransformerModelArgs(
+    "tiny": MHARModelArgs(
         dim=256,
         n_layers=4,
         n_heads=8,
@@ -39,7 +39,7 @@ FLAVORS: dict[str, TransformerModelArgs] = {
         eos_id=1,
     ),
     # Marin-8B (Llama-3.1 architecture): DESIGN.md section 1.
-    "marin8b": TransformerModelArgs(
+    "marin8b": MHARModelArgs(
         dim=4096,
         n_layers=32,
         n_heads=32,
@@ -62,10 +62,10 @@ FLAVORS: dict[str, TransformerModelArgs] = {
 
 def build_train_spec() -> TrainSpec:
     return TrainSpec(
-        model_cls=Transformer,
+        model_cls=MHARTransformer,
         model_args=copy.deepcopy(FLAVORS),  # the trainer and cpu.py mutate them
-        parallelize_fn=parallelize_llama,
-        pipelining_fn=pipeline_llm,
+        parallelize_fn=parallelize,
+        pipelining_fn=None,  # MHAR sources span the whole depth: no pipeline stages
         build_optimizers_fn=build_optimizers,
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_text_dataloader,

@@ -8,6 +8,7 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer
 
 from mhar_titan import cpu
+from mhar_titan.routing_stats import gather_routing_stats
 from mhar_titan.train_spec import MODEL_NAME, train_spec
 
 CONFIG_MODULE = "mhar_titan.config"
@@ -15,7 +16,21 @@ _CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-modul
 
 
 class CPTTrainer(Trainer):
-    """torchtitan's Trainer; the recipe's EMA state and extra metrics hook in here."""
+    """torchtitan's Trainer, plus routing statistics; the recipe's EMA state hooks in here too."""
+
+    def train_step(self, data_iterator) -> None:
+        super().train_step(data_iterator)
+        self._log_routing_stats()
+
+    def _log_routing_stats(self) -> None:
+        mhar = self.job_config.mhar
+        if not mhar.enable or mhar.stats_freq == 0 or self.step % mhar.stats_freq:
+            return
+        model = self.model_parts[0]
+        if model.routing_stats is None:
+            return
+        mesh = self.parallel_dims.get_optional_mesh("batch") if self.parallel_dims.dp_enabled else None
+        self.metrics_processor.logger.log(gather_routing_stats(model.routing_stats, mesh), self.step)
 
 
 def parse_config(argv: list[str]) -> JobConfig:

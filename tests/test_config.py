@@ -1,5 +1,7 @@
 """Job configs parse through train_cpt's parser and hold the recipe they claim."""
 
+import tomllib
+
 import pytest
 import torch
 from conftest import REPO
@@ -60,3 +62,15 @@ def test_tiny_flavor_has_a_few_million_parameters():
     with torch.device("meta"):
         model = build_train_spec().model_cls(FLAVORS["tiny"])
     assert 1_000_000 < sum(p.numel() for p in model.parameters()) < 10_000_000
+
+
+def test_tiny_pair_differs_only_in_mhar_and_run_names():
+    control = tomllib.loads((REPO / "configs/tiny_cpu.toml").read_text())
+    mhar = tomllib.loads((REPO / "configs/tiny_cpu_mhar.toml").read_text())
+    assert control.pop("mhar") == {"enable": False} and mhar.pop("mhar")["enable"] is True
+    for cfg in (control, mhar):
+        cfg["job"].pop("dump_folder")
+        cfg["job"].pop("description")
+    assert control == mhar
+    assert not _parse("tiny_cpu.toml").mhar.enable and _parse("tiny_cpu_mhar.toml").mhar.enable
+    assert not _parse("marin8b_control.toml").mhar.enable

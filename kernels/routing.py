@@ -1,0 +1,113 @@
+"""The delta-MHAR routing op (DESIGN.md sections 2 and 3).
+
+    out = x + gate * R(sources),   R_[h] = sum_n softmax_n(<q_h, k_{n,[h]}>) * s_{n,[h]}
+    k_n = s_n / rms(s_n) * g       (rms over the full width, fp32, eps = the model's norm eps)
+
+Source 0 is the site's learnable null vector z, broadcast over tokens; the
+caller's sources (embedding, then completed block deltas) follow in order.
+
+`route_torch` is the plain reference: every other backend is tested against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _check(x: torch.Tensor, sources: Sequence[torch.Tensor], query: torch.Tensor, num_heads: int) -> None:
+    d = x.shape[-1]
+    if num_heads <= 0 or d % num_heads:
+        raise ValueError(f"num_heads={num_heads} must be positive and divide the width {d}")
+    if len(sources) == 0:
+        raise ValueError("mhar_route needs at least one source besides the null source")
+    for i, s in enumerate(sources):
+        if s.shape != x.shape:
+            raise ValueError(f"sources[{i}] has shape {tuple(s.shape)}, x has {tuple(x.shape)}")
+    if query.shape != (d,):
+        raise ValueError(f"query has shape {tuple(query.shape)}, expected ({d},)")
+
+
+def route_torch(
+    x: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    null: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate: torch.Tensor,
+    *,
+    num_heads: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference routing: returns (x + gate * R, routing weights [N, *x.shape[:-1], H]).
+
+    Statistics and accumulation run in fp32 (fp64 for fp64 inputs); the output
+    has x's dtype. The stacked copy of the sources is fine for a reference.
+    """
+    _check(x, sources, query, num_heads)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    d = x.shape[-1]
+    head_dim = d // num_heads
+    s = torch.stack([null.to(acc).expand_as(x)] + [t.to(acc) for t in sources])  # [N, ..., d]
+    rstd = torch.rsqrt(s.square().mean(dim=-1, keepdim=True) + eps)
+    k = s * rstd * norm_weight.to(acc)
+    heads = (*s.shape[:-1], num_heads, head_dim)
+    logits = (k.view(heads) * query.to(acc).view(num_heads, head_dim)).sum(dim=-1)  # [N, ..., H]
+    weights = torch.softmax(logits, dim=0)
+    mixed = (weights.unsqueeze(-1) * s.view(heads)).sum(dim=0).reshape(x.shape)
+    out = x.to(acc) + gate.to(acc).reshape(()) * mixed
+    return out.to(x.dtype), weights
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """`auto`: the fused kernels on CUDA once they exist, the reference elsewhere."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+    if backend == "triton":
+        raise NotImplementedError("backend='triton': the fused Triton kernels are not built yet (issue 4)")
+    return "torch"
+
+
+def mhar_route_with_weights(
+    x: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    null: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate: torch.Tensor,
+    *,
+    num_heads: int,
+    eps: float,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mhar_route` that also returns the routing weights [N, B, T, H] (fp32) for statistics."""
+    resolve_backend(backend, x.device)
+    return route_torch(x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps)
+
+
+def mhar_route(
+    x: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    null: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate: torch.Tensor,
+    *,
+    num_heads: int,
+    eps: float,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """x + gate * R(sources) for one routing site.
+
+    x: [B, T, d] the site's stream input; sources: [B, T, d] tensors (embedding,
+    then completed block deltas), in order; null, query, norm_weight: [d];
+    gate: one element (0-dim, or [1] as FSDP2 stores it, since it cannot shard
+    0-dim parameters).
+    """
+    out, _ = mhar_route_with_weights(
+        x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps, backend=backend
+    )
+    return out

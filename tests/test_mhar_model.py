@@ -1,0 +1,192 @@
+"""The grafted model: identity at init, DESIGN.md's source lists, settings, groups, statistics."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import REPO
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.config import Optimizer as OptimizerConfig
+from torchtitan.models.llama3.model.model import Transformer
+
+import mhar_titan.model as model_mod
+from mhar_titan.config import MHAR
+from mhar_titan.model import MHARTransformer
+from mhar_titan.optimizer import build_optimizers
+from mhar_titan.train_spec import FLAVORS
+from mhar_titan.trainer import parse_config
+
+SEQ = 32
+
+
+def tiny_args(**mhar):
+    args = copy.deepcopy(FLAVORS["tiny"])
+    args.max_seq_len = SEQ
+    args.mhar = MHAR(**mhar)
+    return args
+
+
+def build(args, seed=0):
+    torch.manual_seed(seed)
+    model = MHARTransformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+def batch(vocab=2048):
+    return torch.randint(0, vocab, (2, SEQ)), torch.randint(0, vocab, (2, SEQ))
+
+
+def ce(logits, labels):
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def routing_keys(model):
+    return sorted(k for k in model.state_dict() if "_routing." in k)
+
+
+def test_disabled_model_is_torchtitans_llama3():
+    args = tiny_args(enable=False)
+    ours = build(args)
+    plain = Transformer(copy.deepcopy(args))
+    plain.load_state_dict(ours.state_dict(), strict=True)
+    tokens, _ = batch()
+    assert routing_keys(ours) == []
+    assert torch.equal(ours(tokens), plain(tokens))
+
+
+def test_zero_gates_compute_the_control_bit_for_bit_before_and_after_a_step():
+    control = build(tiny_args(enable=False), seed=1)
+    mhar = build(tiny_args(enable=True, num_blocks=2), seed=2)
+    missing, unexpected = mhar.load_state_dict(control.state_dict(), strict=False)
+    assert sorted(missing) == routing_keys(mhar) and not unexpected
+    tokens, labels = batch()
+    assert torch.equal(mhar(tokens), control(tokens))
+    assert torch.equal(ce(mhar(tokens), labels), ce(control(tokens), labels))
+
+    opt = torch.optim.AdamW(control.parameters(), lr=1e-2)
+    ce(control(tokens), labels).backward()
+    opt.step()
+    mhar.load_state_dict(control.state_dict(), strict=False)
+    tokens, labels = batch()
+    assert torch.equal(mhar(tokens), control(tokens))
+    assert torch.equal(ce(mhar(tokens), labels), ce(control(tokens), labels))
+
+
+def test_at_init_only_the_gates_receive_gradient():
+    model = build(tiny_args(enable=True, num_blocks=4))
+    tokens, labels = batch()
+    ce(model(tokens), labels).backward()
+    for name, p in model.named_parameters():
+        if "_routing." not in name:
+            continue
+        if name.endswith(".gate"):
+            assert p.grad.abs().item() > 0, name
+        else:
+            assert torch.count_nonzero(p.grad) == 0, name
+
+
+@pytest.mark.parametrize("num_blocks", [1, 2, 4])
+def test_each_site_routes_over_designs_source_list(monkeypatch, num_blocks):
+    model = build(tiny_args(enable=True, num_blocks=num_blocks, num_heads=4))
+    with torch.no_grad():  # random routing parameters, non-zero gates
+        for name, p in model.named_parameters():
+            if "_routing." in name:
+                p.copy_(torch.randn_like(p) * (0.1 if name.endswith(".gate") else 1.0))
+
+    calls, outputs = [], []
+    real = model_mod.mhar_route_with_weights
+    monkeypatch.setattr(
+        model_mod,
+        "mhar_route_with_weights",
+        lambda x, sources, *a, **k: calls.append((x, list(sources))) or real(x, sources, *a, **k),
+    )
+    for layer in model.layers.values():
+        for sub in (layer.attention, layer.feed_forward):
+            sub.register_forward_hook(lambda mod, args, out: outputs.append(out.detach().double()))
+
+    tokens, _ = batch()
+    model(tokens)
+    emb = model.tok_embeddings(tokens)
+    n_layers, per_block = model.n_layers, model.n_layers // num_blocks
+    assert len(calls) == len(outputs) == 2 * n_layers
+    h = emb.double()
+    for i in range(2 * n_layers):
+        block = i // 2 // per_block
+        x, sources = calls[i]
+        torch.testing.assert_close(x.double(), h, rtol=1e-6, atol=1e-6)  # h_{l-1}, then h'_l
+        assert len(sources) == 1 + block  # [h_0, D_0, ..., D_{b-1}]; the null source is the op's source 0
+        assert torch.equal(sources[0], emb)
+        for k in range(block):
+            d_k = sum(outputs[2 * per_block * k : 2 * per_block * (k + 1)])  # all a and m of block k
+            torch.testing.assert_close(sources[1 + k].double(), d_k, rtol=1e-6, atol=1e-6)
+        h = h + outputs[i]
+
+
+@pytest.mark.parametrize(
+    "setting,value,words",
+    [
+        ("num_heads", 3, "num_heads = 3"),
+        ("num_heads", 0, "num_heads = 0"),
+        ("num_blocks", 3, "num_blocks = 3"),
+        ("num_blocks", -2, "num_blocks = -2"),
+        ("lr_multiplier", -1.0, "lr_multiplier = -1.0"),
+        ("stats_freq", -5, "stats_freq = -5"),
+        ("backend", "cuda", "backend = 'cuda'"),
+    ],
+)
+def test_invalid_settings_fail_at_start_up_naming_the_setting(setting, value, words):
+    cfg = parse_config(["--job.config_file", str(REPO / "configs/tiny_cpu_mhar.toml"), f"--mhar.{setting}", str(value)])
+    args = copy.deepcopy(FLAVORS["tiny"])
+    with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+        args.update_from_config(cfg)
+
+
+def test_8b_routing_adds_786496_parameters():
+    counts = {}
+    for enable in (False, True):
+        args = copy.deepcopy(FLAVORS["marin8b"])
+        args.mhar = MHAR(enable=enable)
+        with torch.device("meta"):
+            counts[enable] = sum(p.numel() for p in MHARTransformer(args).parameters())
+    assert counts[True] - counts[False] == 786_496 == 2 * 32 * (3 * 4096 + 1)
+
+
+def test_routing_parameters_have_no_weight_decay_and_the_lr_multiplier():
+    model = build(tiny_args(enable=True, num_blocks=2, lr_multiplier=2.5))
+    cfg = OptimizerConfig(lr=4e-4, weight_decay=0.05, implementation="foreach")
+    optimizers = build_optimizers([model], cfg, parallel_dims=None)
+    (opt,) = optimizers.optimizers
+    base, routing = opt.param_groups
+    routing_params = {id(p) for n, p in model.named_parameters() if "_routing." in n}
+    assert {id(p) for p in routing["params"]} == routing_params and len(routing_params) == 4 * 2 * 4
+    assert routing_params.isdisjoint(id(p) for p in base["params"])
+    assert len(base["params"]) + len(routing["params"]) == len(list(model.parameters()))
+    assert (base["weight_decay"], routing["weight_decay"]) == (0.05, 0.0)
+
+    sched_cfg = parse_config(["--job.config_file", str(REPO / "configs/tiny_cpu_mhar.toml")]).lr_scheduler
+    schedulers = build_lr_schedulers(optimizers, sched_cfg, 100)
+    for _ in range(7):
+        optimizers.step()
+        schedulers.step()
+        assert routing["lr"] == pytest.approx(2.5 * base["lr"], rel=1e-12) and base["lr"] > 0
+
+
+def test_routing_stats_at_init_are_uniform_routing():
+    num_blocks = 4
+    model = build(tiny_args(enable=True, num_blocks=num_blocks))
+    tokens, _ = batch()
+    model(tokens)
+    stats = model.routing_stats
+    assert stats.shape == (4, 2, 5)
+    for layer in range(4):
+        n = 2 + layer  # one layer per block: null, embedding, then `layer` deltas
+        gate, entropy, w_null, w_embed, w_deltas = stats[layer].unbind(-1)
+        torch.testing.assert_close(gate, torch.zeros(2))
+        torch.testing.assert_close(entropy, torch.full((2,), math.log(n)))
+        torch.testing.assert_close(w_null, torch.full((2,), 1 / n))
+        torch.testing.assert_close(w_embed, torch.full((2,), 1 / n))
+        torch.testing.assert_close(w_deltas, torch.full((2,), (n - 2) / n))
