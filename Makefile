@@ -1,4 +1,4 @@
-# The interface: install, test, demo, lint. `make test` and `make demo`
+# The interface: install, test, demo, lint, bench-kernels. `make test` and `make demo`
 # each set up everything they need on a fresh machine.
 
 PYTHON ?= python3
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DIR := runs/tiny
 
-.PHONY: install test demo lint clean
+.PHONY: install test demo lint bench-kernels clean
 
 install: $(STAMP)
 
@@ -31,6 +31,11 @@ demo: install
 	$(PY) -m mhar_titan.tensorboard_scalars $(DEMO_DIR)/mhar
 	$(PY) -m mhar_titan.tensorboard_scalars $(DEMO_DIR)/mhar --tag mhar/gate/mean
 	@echo "TensorBoard: $(VENV)/bin/tensorboard --logdir $(DEMO_DIR)"
+
+# GPU only: the 8B-geometry routing microbatch, triton vs torch.compile vs eager, and a sweep.
+# Uses .venv when there is one, else the python3 on PATH (GPU machines bring their own torch).
+bench-kernels:
+	$(if $(wildcard $(PY)),$(PY),python3) -m kernels.bench_routing
 
 lint: install
 	$(PY) -m ruff check .

@@ -6,7 +6,8 @@
 Source 0 is the site's learnable null vector z, broadcast over tokens; the
 caller's sources (embedding, then completed block deltas) follow in order.
 
-`route_torch` is the plain reference: every other backend is tested against it.
+Backends: `torch` (`route_torch`, the plain reference every other backend is
+tested against) and `triton` (kernels/routing_triton.py, fused kernels).
 """
 
 from __future__ import annotations
@@ -63,12 +64,12 @@ def route_torch(
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """`auto`: the fused kernels on CUDA once they exist, the reference elsewhere."""
+    """`auto`: the fused Triton kernels on CUDA, the reference elsewhere."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
-    if backend == "triton":
-        raise NotImplementedError("backend='triton': the fused Triton kernels are not built yet (issue 4)")
-    return "torch"
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return backend
 
 
 def mhar_route_with_weights(
@@ -84,7 +85,11 @@ def mhar_route_with_weights(
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`mhar_route` that also returns the routing weights [N, B, T, H] (fp32) for statistics."""
-    resolve_backend(backend, x.device)
+    _check(x, sources, query, num_heads)
+    if resolve_backend(backend, x.device) == "triton":
+        from kernels.routing_triton import route_triton
+
+        return route_triton(x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps)
     return route_torch(x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps)
 
 

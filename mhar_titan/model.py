@@ -20,7 +20,7 @@ from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer, TransformerBlock
 from torchtitan.protocols.model import AttentionMasksType
 
-from kernels.routing import mhar_route_with_weights, resolve_backend
+from kernels.routing import mhar_route_with_weights
 from mhar_titan.config import MHAR
 
 # Columns of the per-site statistics each block returns (see RoutingSite.stats).
@@ -99,9 +99,8 @@ class MHARBlock(TransformerBlock):
         self.attn_routing: RoutingSite | None = None
         self.ffn_routing: RoutingSite | None = None
         if cfg.enable:
-            backend = resolve_backend(cfg.backend, torch.device("cpu"))
-            self.attn_routing = RoutingSite(model_args.dim, cfg.num_heads, model_args.norm_eps, backend)
-            self.ffn_routing = RoutingSite(model_args.dim, cfg.num_heads, model_args.norm_eps, backend)
+            self.attn_routing = RoutingSite(model_args.dim, cfg.num_heads, model_args.norm_eps, cfg.backend)
+            self.ffn_routing = RoutingSite(model_args.dim, cfg.num_heads, model_args.norm_eps, cfg.backend)
 
     def forward(  # type: ignore[override]
         self,

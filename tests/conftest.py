@@ -4,8 +4,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Without a GPU the Triton kernels run in Triton's interpreter; it is chosen when a
+# kernel is decorated, so before anything imports kernels.routing_triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def torchrun(dump_folder: Path, *overrides: str, nproc: int = 2, config: str = "configs/tiny_cpu.toml"):

@@ -110,5 +110,3 @@ def test_bad_arguments_are_named():
         mhar_route(x, [], null, query, norm_weight, gate, num_heads=4, eps=1e-5)
     with pytest.raises(ValueError, match="'cuda'"):
         mhar_route(x, sources, null, query, norm_weight, gate, num_heads=4, eps=1e-5, backend="cuda")
-    with pytest.raises(NotImplementedError, match="triton"):
-        mhar_route(x, sources, null, query, norm_weight, gate, num_heads=4, eps=1e-5, backend="triton")

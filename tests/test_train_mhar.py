@@ -24,3 +24,18 @@ def test_mhar_tiny_trains_moves_its_gates_and_logs_routing_stats(tmp_path):
             total = values["w_null"][step] + values["w_embed"][step] + values["w_deltas"][step]
             assert total == pytest.approx(1.0, abs=1e-5), (site, step)
     assert read_scalars(run, "mhar/gate/mean")[10] != 0
+
+
+def test_triton_backend_trains_under_fsdp_and_checkpointing_like_torch(tmp_path):
+    """The fused kernels (interpreted on CPU) inside 2-rank FSDP2 with full activation checkpointing."""
+    losses = {}
+    for backend in ("torch", "triton"):
+        run = tmp_path / backend
+        short = ("--training.steps", "3", "--training.seq_len", "32", "--training.local_batch_size", "2")
+        short += ("--mhar.stats_freq", "3")
+        torchrun(run, *short, "--mhar.backend", backend, config="configs/tiny_cpu_mhar.toml")
+        losses[backend] = read_scalars(run)
+        assert read_scalars(run, "mhar/gate/mean")[3] != 0
+    assert list(losses["triton"]) == [1, 2, 3]
+    for step, loss in losses["torch"].items():
+        assert losses["triton"][step] == pytest.approx(loss, rel=1e-5), step

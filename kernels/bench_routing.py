@@ -1,0 +1,232 @@
+"""Routing cost of one 8B microbatch on a GPU: triton vs torch.compile vs eager, in one run.
+
+The 8B geometry of DESIGN.md section 3: B=2, T=4096, d=4096, H=8, 32 layers x 2
+sites in 8 blocks of 4 layers, so the 64 calls route over 1..8 sources (plus
+the null source), 288 source reads in all. Every call is checkpointed on its
+own, as under per-call activation checkpointing: its backward re-runs its
+forward. Prints fwd ms, fwd+bwd ms, peak memory, speedups, and the forward's
+achieved bandwidth against a device-to-device copy measured in the same run;
+then a sweep over N and d for a single call.
+
+    python -m kernels.bench_routing            (make bench-kernels)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from kernels.routing import route_torch
+from kernels.routing_triton import route_triton
+
+DTYPE = torch.bfloat16
+
+
+def timed(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+    """Median milliseconds of fn() over reps, timed with CUDA events after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written)."""
+    src = torch.randn(nbytes // 2, device="cuda", dtype=DTYPE)
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src), reps=20)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def route_fns(num_heads: int, eps: float) -> dict[str, Callable]:
+    # torch.compile: one graph per source count, with and without grad: let it keep them all.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+    def triton_fn(x, null, q, g, gate, *srcs):
+        return route_triton(x, srcs, null, q, g, gate, num_heads=num_heads, eps=eps)[0]
+
+    def torch_fn(x, null, q, g, gate, *srcs):
+        return route_torch(x, srcs, null, q, g, gate, num_heads=num_heads, eps=eps)[0]
+
+    return {"triton": triton_fn, "compile": torch.compile(torch_fn, dynamic=False), "eager": torch_fn}
+
+
+class Microbatch:
+    """The 64 routing calls of one 8B microbatch, with random sources and site parameters."""
+
+    def __init__(self, B: int, T: int, d: int, num_layers: int, num_blocks: int):
+        per_block = num_layers // num_blocks
+        dev = {"device": "cuda", "dtype": DTYPE}
+        self.sources = [torch.randn(B, T, d, **dev).requires_grad_() for _ in range(num_blocks)]
+        self.calls = []  # (x, n_sources, params)
+        for layer in range(num_layers):
+            block = layer // per_block
+            for _site in range(2):
+                x = torch.randn(B, T, d, **dev).requires_grad_()
+                params = [
+                    (0.5 * torch.randn(d, **dev)).requires_grad_(),
+                    torch.randn(d, **dev).requires_grad_(),
+                    (1 + 0.1 * torch.randn(d, **dev)).requires_grad_(),
+                    (0.1 * torch.randn(1, **dev)).requires_grad_(),
+                ]
+                self.calls.append((x, 1 + block, params))
+        self.grad_out = torch.randn(B, T, d, **dev)
+        self.bytes_fwd = sum((n + 2) * x.numel() * x.element_size() for x, n, _ in self.calls)
+
+    def forward(self, fn: Callable) -> None:
+        with torch.no_grad():
+            for x, n, params in self.calls:
+                fn(x, *params, *self.sources[:n])
+
+    def forward_backward(self, fn: Callable) -> None:
+        outs = [checkpoint(fn, x, *params, *self.sources[:n], use_reentrant=False) for x, n, params in self.calls]
+        torch.autograd.backward(outs, [self.grad_out] * len(outs))
+        for t in [*self.sources] + [p for x, _, ps in self.calls for p in (x, *ps)]:
+            t.grad = None
+
+
+def bench_microbatch(args, bw: float) -> list[dict]:
+    mb = Microbatch(args.batch, args.seq, args.dim, args.layers, args.blocks)
+    rows = []
+    for name, fn in route_fns(args.heads, 1e-5).items():
+        reps = 3 if name == "eager" else args.reps
+        fwd = timed(lambda fn=fn: mb.forward(fn), reps)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fwd_bwd = timed(lambda fn=fn: mb.forward_backward(fn), reps)
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        rows.append({"backend": name, "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "peak_gib": peak})
+    ref = {r["backend"]: r for r in rows}
+    for r in rows:
+        r["speedup_vs_compile"] = ref["compile"]["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+        r["fwd_bw_frac"] = mb.bytes_fwd / (r["fwd_ms"] * 1e-3) / bw
+    print(f"\n8B microbatch: B={args.batch} T={args.seq} d={args.dim} H={args.heads}, {len(mb.calls)} calls, ")
+    print(f"forward moves at least {mb.bytes_fwd / 1e9:.1f} GB; copy bandwidth {bw / 1e12:.2f} TB/s")
+    print("| backend | fwd ms | fwd+bwd ms (per-call ckpt) | peak GiB | fwd+bwd vs compile | fwd bw / copy bw |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['backend']} | {r['fwd_ms']:.1f} | {r['fwd_bwd_ms']:.1f} | {r['peak_gib']:.2f} | "
+            f"{r['speedup_vs_compile']:.2f}x | {r['fwd_bw_frac']:.0%} |"
+        )
+    return rows
+
+
+def bench_sweep(args, bw: float) -> None:
+    print(f"\nOne call, B*T={args.batch * args.seq} rows, H={args.heads}: triton vs torch.compile")
+    print("| N | d | triton fwd ms | fwd bw / copy bw | triton fwd+bwd ms | compile fwd+bwd ms | speedup |")
+    print("|---|---|---|---|---|---|---|")
+    fns = route_fns(args.heads, 1e-5)
+    for d in (2048, 4096, 8192):
+        for n in (2, 5, 9):
+            sweep_case(fns, args, bw, d, n)
+
+
+def sweep_case(fns: dict[str, Callable], args, bw: float, d: int, n: int) -> None:
+    dev = {"device": "cuda", "dtype": DTYPE}
+    x = torch.randn(args.batch, args.seq, d, **dev).requires_grad_()
+    srcs = [torch.randn_like(x).requires_grad_() for _ in range(n - 1)]
+    params = [torch.randn(d, **dev).requires_grad_() for _ in range(3)] + [torch.randn(1, **dev).requires_grad_()]
+    dout = torch.randn_like(x)
+
+    def fwd(fn):
+        with torch.no_grad():
+            fn(x, *params, *srcs)
+
+    def fwd_bwd(fn):
+        checkpoint(fn, x, *params, *srcs, use_reentrant=False).backward(dout)
+
+    t_fwd = timed(lambda: fwd(fns["triton"]), args.reps * 4)
+    t_tri = timed(lambda: fwd_bwd(fns["triton"]), args.reps * 4)
+    t_cmp = timed(lambda: fwd_bwd(fns["compile"]), args.reps * 4)
+    frac = (n + 1) * x.numel() * x.element_size() / (t_fwd * 1e-3) / bw
+    print(f"| {n} | {d} | {t_fwd:.3f} | {frac:.0%} | {t_tri:.3f} | {t_cmp:.3f} | {t_cmp / t_tri:.2f}x |")
+
+
+def tune(args, bw: float) -> None:
+    """Time forward and backward kernels alone for launch shapes (one call, N=9, the 8B width)."""
+    import itertools
+
+    from kernels import routing_triton as rt
+
+    dev = {"device": "cuda", "dtype": DTYPE}
+    d, n = args.dim, 9
+    x = torch.randn(args.batch, args.seq, d, **dev)
+    srcs = [torch.randn_like(x) for _ in range(n - 1)]
+    z, q, g = (torch.randn(d, **dev) for _ in range(3))
+    gate = torch.randn(1, **dev)
+    _, w = rt._forward(x, srcs, z, q, g, gate, args.heads, 1e-5)
+    dout = torch.randn_like(x)
+    fwd_bytes = (n + 1) * x.numel() * x.element_size()
+    bwd_bytes = (1 + 3 * (n - 1)) * x.numel() * x.element_size()  # dout, two reads and a write per source
+    print("| kernel | programs/SM | warps/4096 | ms | bytes / ms vs copy bw |")
+    print("|---|---|---|---|---|")
+    for per_sm, warps in itertools.product((8, 16, 32, 64), (4, 8)):
+        rt.FWD.update(programs_per_sm=per_sm, warps_per_4096=warps)
+        ms = timed(lambda: rt._forward(x, srcs, z, q, g, gate, args.heads, 1e-5), 10)
+        print(f"| fwd | {per_sm} | {warps} | {ms:.3f} | {fwd_bytes / (ms * 1e-3) / bw:.0%} |")
+    for per_sm, warps in itertools.product((4, 8, 16, 32), (4, 8)):
+        rt.BWD.update(programs_per_sm=per_sm, warps_per_4096=warps)
+        ms = timed(lambda: rt._backward(dout, srcs, z, q, g, gate, w, args.heads, 1e-5), 10)
+        print(f"| bwd | {per_sm} | {warps} | {ms:.3f} | {bwd_bytes / (ms * 1e-3) / bw:.0%} |")
+
+
+def profile(args) -> None:
+    """Where the triton microbatch's fwd+bwd time goes: top GPU kernels, and CPU time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    mb = Microbatch(args.batch, args.seq, args.dim, args.layers, args.blocks)
+    fn = route_fns(args.heads, 1e-5)["triton"]
+    mb.forward_backward(fn)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        mb.forward_backward(fn)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--sweep-only", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="profile the triton microbatch instead")
+    parser.add_argument("--tune", action="store_true", help="time kernel launch shapes instead")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_routing needs a CUDA GPU")
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.profile:
+        return profile(args)
+    bw = copy_bandwidth()
+    if args.tune:
+        return tune(args, bw)
+    if not args.sweep_only:
+        bench_microbatch(args, bw)
+    if not args.no_sweep:
+        bench_sweep(args, bw)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The triton backend against the torch reference (interpreted on CPU, compiled on a GPU)."""
+
+import copy
+
+import pytest
+import torch
+from torchtitan.config import Optimizer as OptimizerConfig
+
+import kernels.routing_triton as rt
+from kernels.routing import mhar_route_with_weights
+from mhar_titan.config import MHAR
+from mhar_titan.model import MHARTransformer
+from mhar_titan.optimizer import build_optimizers
+from mhar_titan.train_spec import FLAVORS
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (H, d, number of caller sources = N - 1, T): odd T, widths that are not powers of two, N from 2 to 9,
+# and one exact power-of-two shape (the unmasked path the 8B geometry takes)
+SHAPES = [
+    (1, 37, 1, 5),
+    (1, 37, 8, 3),
+    (8, 40, 1, 7),
+    (8, 40, 4, 3),
+    (8, 72, 8, 5),
+    (8, 24, 6, 1),
+    (1, 100, 3, 9),
+    (8, 64, 3, 8),
+]
+
+
+def site(H, d, S, T, dtype, B=2):
+    dev = {"device": DEVICE, "dtype": dtype}
+    x = torch.randn(B, T, d, **dev)
+    sources = [torch.randn(B, T, d, **dev) * 10.0 ** torch.empty(()).uniform_(-1, 1).item() for _ in range(S)]
+    null = 0.5 * torch.randn(d, **dev)
+    query = torch.randn(d, **dev)
+    norm_weight = 1 + 0.3 * torch.randn(d, **dev)
+    gate = torch.randn(1, **dev)
+    leaves = [x, *sources, null, query, norm_weight, gate]
+    return [t.requires_grad_() for t in leaves]
+
+
+def run(backend, leaves, S, H, grad_out):
+    x, sources, rest = leaves[0], leaves[1 : 1 + S], leaves[1 + S :]
+    out, weights = mhar_route_with_weights(x, sources, *rest, num_heads=H, eps=1e-5, backend=backend)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    return [out, weights, *grads]
+
+
+NAMES = ["out", "weights", "x"] + [f"source{i}" for i in range(8)]
+
+
+def names(S):
+    return NAMES[:3] + NAMES[3 : 3 + S] + ["null", "query", "norm_weight", "gate"]
+
+
+def condition_scales(leaves, S, H, grad_out, eps=1e-5):
+    """Float64 scales for the parameter gradients: each is a sum over rows, sources and the
+    softmax's (c - dot) difference, all of which cancel, so it is only as exact as the
+    magnitudes of its terms. This is the backward of DESIGN.md's formulas with every
+    product and sum taken in absolute value; errors of these gradients are measured
+    against it instead of against the (possibly tiny) result."""
+    x, *rest = [t.detach().double() for t in leaves]
+    sources, (z, q, g, gate) = rest[:S], rest[S:]
+    K = x.shape[-1] // H
+    do = grad_out.double().abs().unflatten(-1, (H, K))
+    s = torch.stack([z.expand_as(x), *sources])  # [N, B, T, d]
+    rstd = torch.rsqrt(s.square().mean(-1, keepdim=True) + eps)
+    sh = s.unflatten(-1, (H, K))
+    w = torch.softmax(((s * rstd * g).unflatten(-1, (H, K)) * q.view(H, K)).sum(-1), dim=0)  # [N, B, T, H]
+    c = (do * sh.abs()).sum(-1)  # |<dout_h, s_n,h>|, bounded
+    dot = (w * c).sum(0)
+    dl = gate.abs() * w * (c + dot)  # |dl| bound per source, row, head
+    t = (dl.unsqueeze(-1) * rstd.unsqueeze(-1) * sh.abs()).sum(dim=(0, 1, 2)).flatten()  # over sources and rows
+    dz_mix = gate.abs() * (w[0].unsqueeze(-1) * do).sum(dim=(0, 1)).flatten()
+    dz_norm = rstd[0, 0, 0] * (q * g).abs() * dl[0].sum(dim=(0, 1)).repeat_interleave(K)
+    return {
+        "null": (dz_mix + 2 * dz_norm).max().item(),
+        "query": (t * g.abs()).max().item(),
+        "norm_weight": (t * q.abs()).max().item(),
+        "gate": (w * c).sum().item(),
+    }
+
+
+def scale_of(name, ref, scales):
+    return scales[name] if name in scales else ref.double().abs().max().item()
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every buffer the op allocates starts as NaN, so an unwritten element shows."""
+    monkeypatch.setattr(rt, "_empty", lambda *a, **k: torch.full(*a, float("nan"), **k))
+    monkeypatch.setattr(rt, "_empty_like", lambda t: torch.full_like(t, float("nan")))
+
+
+@pytest.mark.parametrize("H,d,S,T", SHAPES)
+def test_fp32_matches_torch_backend_and_is_deterministic(H, d, S, T, poisoned):
+    leaves = site(H, d, S, T, torch.float32)
+    grad_out = torch.randn_like(leaves[0])
+    ref = run("torch", leaves, S, H, grad_out)
+    first = run("triton", leaves, S, H, grad_out)
+    second = run("triton", leaves, S, H, grad_out)
+    scales = condition_scales(leaves, S, H, grad_out)
+    for name, r, a, b in zip(names(S), ref, first, second, strict=True):
+        assert not torch.isnan(a).any(), f"{name}: unwritten elements"
+        assert a.dtype == r.dtype and a.shape == r.shape, name
+        err = (a.double() - r.double()).abs().max().item() / scale_of(name, r, scales)
+        assert err <= 1e-5, f"{(H, d, S, T)} {name}: {err:.2e}"
+        assert torch.equal(a, b), f"{name}: two runs differ"
+
+
+@pytest.mark.parametrize("H,d,S,T", SHAPES)
+def test_bf16_error_is_no_larger_than_torch_backends(H, d, S, T, poisoned):
+    leaves = site(H, d, S, T, torch.bfloat16)
+    grad_out = torch.randn_like(leaves[0])
+    truth = run("torch", [t.detach().double().requires_grad_() for t in leaves], S, H, grad_out.double())
+    torch_bf16 = run("torch", leaves, S, H, grad_out)
+    triton_bf16 = run("triton", leaves, S, H, grad_out)
+    scales = condition_scales(leaves, S, H, grad_out)
+    for name, t, a, b in zip(names(S), truth, torch_bf16, triton_bf16, strict=True):
+        assert b.dtype == a.dtype, name
+        err_torch = ((a.double() - t).norm() / t.norm()).item()  # relative L2 error vs float64
+        err_triton = ((b.double() - t).norm() / t.norm()).item()
+        if name == "weights":
+            # fp32 outputs from bf16-exact inputs: both within fp32 rounding of the truth
+            assert max(err_torch, err_triton) <= 64 * torch.finfo(torch.float32).eps, name
+        elif name in scales:
+            # A sum over rows, rounded to bf16 once: no worse than torch's, or within that
+            # rounding (half an ulp of the result) plus fp32 summation error on the terms' scale.
+            bound = (2.0**-9 * t.abs().max().item() + 1e-5 * scales[name]) * t.numel() ** 0.5 / t.norm().item()
+            assert err_triton <= max(err_torch * 1.01, bound), (
+                f"{(H, d, S, T)} {name}: triton {err_triton:.3e} > torch {err_torch:.3e}, bound {bound:.3e}"
+            )
+        else:
+            # Both backends round an fp32 result to bf16 once; they can differ only where an
+            # element's fp32 values (summed in another order) straddle a bf16 rounding boundary.
+            assert err_triton <= err_torch * 1.01, (
+                f"{(H, d, S, T)} {name}: triton {err_triton:.3e} > torch {err_torch:.3e}"
+            )
+
+
+def test_unsupported_inputs_are_refused_by_name():
+    leaves = site(8, 16, 9, 2, torch.float32)
+    with pytest.raises(ValueError, match="1..8 sources, got 9"):
+        run("triton", leaves, 9, 8, torch.randn_like(leaves[0]))
+
+
+def test_tiny_model_trains_alike_on_both_backends():
+    losses = {}
+    for backend in ("torch", "triton"):
+        args = copy.deepcopy(FLAVORS["tiny"])
+        args.max_seq_len = 24
+        args.mhar = MHAR(enable=True, num_blocks=2, backend=backend)
+        torch.manual_seed(0)
+        with torch.device(DEVICE):
+            model = MHARTransformer(args)
+            with torch.no_grad():
+                model.init_weights()
+        opt = build_optimizers([model], OptimizerConfig(lr=1e-2, implementation="for-loop"), parallel_dims=None)
+        gen = torch.Generator().manual_seed(1)
+        losses[backend] = []
+        for _ in range(4):
+            tokens = torch.randint(0, args.vocab_size, (2, 25), generator=gen).to(DEVICE)
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[backend].append(loss.item())
+        gates = torch.stack([p.detach() for n, p in model.named_parameters() if n.endswith(".gate")])
+        assert gates.abs().min() > 0  # the routing trained
+    torch.testing.assert_close(losses["triton"], losses["torch"], rtol=1e-5, atol=0)
