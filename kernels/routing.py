@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 
 BACKENDS = ("auto", "torch", "triton")
+MAX_TRITON_SOURCES = 8  # the kernels' source pointers: embedding + 7 block deltas (num_blocks <= 8)
 
 
 def _check(x: torch.Tensor, sources: Sequence[torch.Tensor], query: torch.Tensor, num_heads: int) -> None:

@@ -7,8 +7,8 @@ as one vector per program. Saves only the routing weights [N, M, H] (fp32).
 Backward: two passes over the sources per row (the first gathers the per-head
 dot products the softmax gradient couples, the second writes each source's
 gradient), the norm recomputed. Weight gradients (query, norm weight, null,
-gate) are per-program partials summed on the host in a fixed order: no atomics,
-so repeated runs are bitwise identical.
+gate) are per-program partials that a finishing kernel sums in a fixed order: no
+atomics, so repeated runs are bitwise identical.
 
 Registered as `torch.ops.mhar.route_fwd` / `route_bwd` custom ops with autograd,
 so torch.compile keeps them in its graph instead of breaking at every call; eager
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_SOURCES = 8  # embedding + up to 7 completed block deltas (num_blocks <= 8)
+from kernels.routing import MAX_TRITON_SOURCES as MAX_SOURCES
 
 
 @triton.jit

@@ -6,7 +6,7 @@ command line names another module, so every job has these sections.
 
 from dataclasses import dataclass, field
 
-from kernels.routing import BACKENDS
+from kernels.routing import BACKENDS, MAX_TRITON_SOURCES
 
 
 @dataclass
@@ -37,6 +37,11 @@ class MHAR:
             )
         if self.backend not in BACKENDS:
             raise ValueError(f"[mhar] backend = {self.backend!r} must be one of {', '.join(BACKENDS)}")
+        if self.backend != "torch" and self.num_blocks > MAX_TRITON_SOURCES:
+            raise ValueError(
+                f"[mhar] num_blocks = {self.num_blocks}: the triton backend routes over at most "
+                f'{MAX_TRITON_SOURCES} blocks; use backend = "torch" for more'
+            )
         if not self.lr_multiplier >= 0:
             raise ValueError(f"[mhar] lr_multiplier = {self.lr_multiplier} must be >= 0")
         if self.stats_freq < 0:

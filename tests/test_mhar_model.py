@@ -145,6 +145,12 @@ def test_invalid_settings_fail_at_start_up_naming_the_setting(setting, value, wo
         args.update_from_config(cfg)
 
 
+def test_more_blocks_than_the_kernels_take_need_the_torch_backend():
+    with pytest.raises(ValueError, match="num_blocks = 16: the triton backend"):
+        MHAR(enable=True, num_blocks=16).validate(4096, 32)
+    MHAR(enable=True, num_blocks=16, backend="torch").validate(4096, 32)
+
+
 def test_8b_routing_adds_786496_parameters():
     counts = {}
     for enable in (False, True):
