@@ -14,10 +14,10 @@ from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.components.validate import build_validator
 from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
-from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 import data.parquet_text  # noqa: F401  (registers the "parquet" dataset)
+from mhar_titan.hf import MHARStateDictAdapter
 from mhar_titan.model import MHARModelArgs, MHARTransformer
 from mhar_titan.optimizer import build_optimizers
 from mhar_titan.parallelize import parallelize
@@ -72,7 +72,7 @@ def build_train_spec() -> TrainSpec:
         build_tokenizer_fn=build_hf_tokenizer,
         build_loss_fn=build_cross_entropy_loss,
         build_validator_fn=build_validator,
-        state_dict_adapter=Llama3StateDictAdapter,
+        state_dict_adapter=MHARStateDictAdapter,
     )
 
 

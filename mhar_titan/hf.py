@@ -1,0 +1,459 @@
+"""Hugging Face checkpoints in and out: Llama-3.x safetensors, graft-aware.
+
+Reading: config.json becomes model arguments (or a refusal naming the field),
+and every checkpoint tensor is accounted for in a load ledger: loaded, newly
+initialised (the MHAR routing parameters), unused. A missing base tensor, a
+shape or dtype mismatch or an unused tensor fails the load with the ledger.
+
+Writing: sharded safetensors with an index, config.json and the base's
+tokenizer files. The control writes a plain `LlamaForCausalLM`; the MHAR arm
+adds its routing tensors (`model.layers.N.mhar.{attn,ffn}.*`) and an `mhar`
+block in config.json, and may leave them out only while every gate is 0.
+
+    python -m mhar_titan.hf inspect PATH
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import fsspec
+import torch
+from safetensors.torch import load as load_safetensors_bytes
+from safetensors.torch import save_file
+from torchtitan.models.llama3.model.args import RoPEScalingArgs
+from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
+
+from mhar_titan.config import MHAR
+from mhar_titan.model import MHARModelArgs, MHARTransformer
+
+ROUTING_PARAMS = ("query", "norm_weight", "null", "gate")
+ROUTING_INIT = {"query": "zeros", "norm_weight": "ones", "null": "zeros", "gate": "zeros"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_OUR_ROUTING = re.compile(r"^layers\.(\d+)\.(attn|ffn)_routing\.(\w+)$")
+_HF_ROUTING = re.compile(r"^model\.layers\.(\d+)\.mhar\.(attn|ffn)\.(\w+)$")
+
+
+class MHARStateDictAdapter(Llama3StateDictAdapter):
+    """torchtitan's Llama-3 key map and RoPE permutation, plus the routing tensors."""
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        base = {k: v for k, v in state_dict.items() if not _OUR_ROUTING.match(k)}
+        out = super().to_hf(base)
+        for key, value in state_dict.items():
+            if m := _OUR_ROUTING.match(key):
+                out[f"model.layers.{m[1]}.mhar.{m[2]}.{m[3]}"] = value
+        return out
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        base = {k: v for k, v in hf_state_dict.items() if not _HF_ROUTING.match(k)}
+        out = super().from_hf(base)
+        for key, value in hf_state_dict.items():
+            if m := _HF_ROUTING.match(key):
+                out[f"layers.{m[1]}.{m[2]}_routing.{m[3]}"] = value
+        return out
+
+    def our_key(self, hf_key: str) -> str | None:
+        """The model key an HF key loads into; None for buffers HF stores and we recompute."""
+        if m := _HF_ROUTING.match(hf_key):
+            return f"layers.{m[1]}.{m[2]}_routing.{m[3]}"
+        abstract = re.sub(r"(\d+)", "{}", hf_key, count=1)
+        if abstract not in self.from_hf_map:
+            raise KeyError(hf_key)
+        target = self.from_hf_map[abstract]
+        if target is None:
+            return None
+        layer = re.search(r"\d+", hf_key)
+        return target.format(layer[0]) if layer and "{}" in target else target
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json <-> model arguments
+
+
+def model_args_from_hf_config(config: dict[str, Any], source: str = "config.json") -> MHARModelArgs:
+    """Model arguments for a Llama-3.x config.json, or a ValueError naming the field we cannot represent."""
+
+    def refuse(field_name: str, why: str) -> ValueError:
+        return ValueError(f"{source}: {field_name} = {config.get(field_name)!r}: {why}")
+
+    if config.get("model_type") != "llama":
+        raise refuse("model_type", "only Llama checkpoints are supported")
+    archs = config.get("architectures") or ["LlamaForCausalLM"]
+    if archs != ["LlamaForCausalLM"]:
+        raise refuse("architectures", "expected ['LlamaForCausalLM']")
+    for name in ("attention_bias", "mlp_bias"):
+        if config.get(name):
+            raise refuse(name, "biases are not supported by the model")
+    if config.get("tie_word_embeddings"):
+        raise refuse("tie_word_embeddings", "the model has an untied output projection")
+    if config.get("hidden_act", "silu") != "silu":
+        raise refuse("hidden_act", "the model's MLP is SwiGLU (silu)")
+    dim, n_heads = config["hidden_size"], config["num_attention_heads"]
+    if config.get("head_dim", dim // n_heads) != dim // n_heads or dim % n_heads:
+        raise refuse("head_dim", f"must be hidden_size / num_attention_heads = {dim / n_heads}")
+
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    if rope_type == "llama3":
+        scaling = RoPEScalingArgs(
+            scaling_factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    elif rope_type == "default":
+        scaling = RoPEScalingArgs(scaling_factor=1.0)  # llama3 scaling with factor 1 is the identity
+    else:
+        raise refuse("rope_scaling", f"rope type {rope_type!r} is not supported (llama3 or default)")
+
+    # torchtitan sizes the MLP as multiple_of * ceil(int(multiplier * int(8 * dim / 3)) / multiple_of):
+    # multiple_of = intermediate_size and a multiplier just reaching it give exactly intermediate_size.
+    hidden = config["intermediate_size"]
+    eos = config.get("eos_token_id")
+    args = MHARModelArgs(
+        dim=dim,
+        n_layers=config["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=config.get("num_key_value_heads", n_heads),
+        vocab_size=config["vocab_size"],
+        multiple_of=hidden,
+        ffn_dim_multiplier=hidden / int(2 * 4 * dim / 3),
+        norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        rope_scaling_args=scaling,
+        max_seq_len=config.get("max_position_embeddings", 131072),
+        eos_id=(eos[0] if isinstance(eos, list) else eos) or 0,
+    )
+    if _ffn_hidden(args) != hidden:
+        raise refuse("intermediate_size", "cannot be represented by the model's MLP sizing")
+    return args
+
+
+def _ffn_hidden(args: MHARModelArgs) -> int:
+    hidden = int(2 * 4 * args.dim / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
+
+
+def hf_config_from_model_args(args: MHARModelArgs, dtype: torch.dtype) -> dict[str, Any]:
+    r = args.rope_scaling_args
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": _ffn_hidden(args),
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads or args.n_heads,
+        "head_dim": args.dim // args.n_heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "vocab_size": args.vocab_size,
+        "max_position_embeddings": args.max_seq_len,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": r.scaling_factor,
+            "low_freq_factor": r.low_freq_factor,
+            "high_freq_factor": r.high_freq_factor,
+            "original_max_position_embeddings": r.original_max_position_embeddings,
+        },
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "eos_token_id": args.eos_id,
+        "torch_dtype": _DTYPE_NAMES[dtype],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# reading checkpoints
+
+
+def _join(path: str, name: str) -> str:
+    return path.rstrip("/") + "/" + name
+
+
+def read_json(path: str) -> dict[str, Any]:
+    with fsspec.open(path, "r") as f:
+        return json.load(f)
+
+
+def _safetensors_header(path: str) -> dict[str, Any]:
+    """Tensor names, dtypes and shapes from a safetensors file's header, without its data."""
+    with fsspec.open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def checkpoint_files(path: str) -> dict[str, str]:
+    """{HF key: shard file} of a checkpoint directory (sharded with an index, or one file)."""
+    fs, root = fsspec.core.url_to_fs(path)
+    index = _join(path, "model.safetensors.index.json")
+    if fs.exists(_join(root, "model.safetensors.index.json")):
+        weight_map = read_json(index)["weight_map"]
+        return {k: _join(path, v) for k, v in weight_map.items()}
+    single = _join(path, "model.safetensors")
+    if fs.exists(_join(root, "model.safetensors")):
+        return {k: single for k in _safetensors_header(single)}
+    raise FileNotFoundError(f"{path}: no model.safetensors.index.json or model.safetensors")
+
+
+@dataclass
+class LoadLedger:
+    """What a load did with every tensor; printed on rank 0 and written as JSON into the run."""
+
+    source: str
+    loaded: list[str] = field(default_factory=list)
+    initialised: dict[str, str] = field(default_factory=dict)
+    unused: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.unused or self.missing or self.mismatched)
+
+    def summary(self) -> str:
+        lines = [
+            f"load ledger for {self.source}: {len(self.loaded)} tensors loaded, "
+            f"{len(self.initialised)} newly initialised, {len(self.unused)} unused, "
+            f"{len(self.missing)} missing, {len(self.mismatched)} mismatched"
+        ]
+        for title, items in (("missing", self.missing), ("mismatched", self.mismatched), ("unused", self.unused)):
+            lines += [f"  {title}: {item}" for item in items]
+        by_init: dict[str, int] = {}
+        for init in self.initialised.values():
+            by_init[init] = by_init.get(init, 0) + 1
+        lines += [f"  initialised {n} tensors as {init}" for init, n in sorted(by_init.items())]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def build_ledger(path: str, model: torch.nn.Module, adapter: MHARStateDictAdapter) -> LoadLedger:
+    """Compare the checkpoint's tensors (headers only) with the model's."""
+    ledger = LoadLedger(source=path)
+    expected = {k: v for k, v in model.state_dict().items()}
+    config_dtype = read_json(_join(path, "config.json")).get("torch_dtype")
+    headers: dict[str, dict[str, Any]] = {}
+    for shard in sorted(set(checkpoint_files(path).values())):
+        headers.update(_safetensors_header(shard))
+    seen: set[str] = set()
+    for hf_key, info in sorted(headers.items()):
+        try:
+            ours = adapter.our_key(hf_key)
+        except KeyError:
+            ledger.unused.append(hf_key)
+            continue
+        if ours is None:
+            ledger.ignored.append(hf_key)
+            continue
+        if ours not in expected:
+            ledger.unused.append(hf_key)
+            continue
+        seen.add(ours)
+        want = tuple(expected[ours].shape)
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if tuple(info["shape"]) != want:
+            ledger.mismatched.append(f"{hf_key}: shape {tuple(info['shape'])} in the checkpoint, {want} in the model")
+        elif dtype is None or (config_dtype and _DTYPE_NAMES.get(dtype) != config_dtype):
+            ledger.mismatched.append(f"{hf_key}: dtype {info['dtype']} in the checkpoint, config says {config_dtype}")
+        else:
+            ledger.loaded.append(ours)
+    for key in sorted(set(expected) - seen):
+        if m := _OUR_ROUTING.match(key):
+            ledger.initialised[key] = ROUTING_INIT[m[3]]
+        else:
+            ledger.missing.append(key)
+    return ledger
+
+
+def load_hf_model(
+    path: str,
+    *,
+    mhar: MHAR | dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> MHARTransformer:
+    """Our model with an HF checkpoint's weights, on one process: `model(tokens) -> logits`.
+
+    `mhar` takes the `[mhar]` settings (an MHAR or a dict of them), None for the control.
+    The load ledger is on `model.load_ledger`; a bad checkpoint raises with it.
+    """
+    config = read_json(_join(path, "config.json"))
+    args = model_args_from_hf_config(config, source=_join(path, "config.json"))
+    if isinstance(mhar, dict):
+        mhar = MHAR(**mhar)
+    args.mhar = mhar if mhar is not None else MHAR(enable=False)
+    args.validate()
+    with torch.device("meta"):
+        model = MHARTransformer(args)
+    adapter = MHARStateDictAdapter(args, path)
+    ledger = build_ledger(path, model, adapter)
+    if not ledger.ok:
+        raise ValueError(ledger.summary())
+
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights()  # routing parameters and the RoPE table; base weights are overwritten
+        for shard, keys in _by_shard(checkpoint_files(path)).items():
+            tensors = _read_shard(shard, keys)
+            ours = adapter.from_hf(tensors)
+            state = model.state_dict()
+            for key, value in ours.items():
+                state[key].copy_(value)
+    model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)  # keep the complex RoPE table
+    model.load_ledger = ledger
+    return model
+
+
+def _by_shard(files: dict[str, str]) -> dict[str, list[str]]:
+    shards: dict[str, list[str]] = {}
+    for key, shard in files.items():
+        shards.setdefault(shard, []).append(key)
+    return shards
+
+
+def _read_shard(shard: str, keys: list[str]) -> dict[str, torch.Tensor]:
+    with fsspec.open(shard, "rb") as f:
+        tensors = load_safetensors_bytes(f.read())
+    return {k: tensors[k] for k in keys if k in tensors}
+
+
+# ---------------------------------------------------------------------------------------------
+# writing checkpoints
+
+
+def export_hf(
+    model: MHARTransformer,
+    out_dir: str,
+    *,
+    base_path: str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    include_routing: bool = True,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Write `model` (one process, full tensors) as an HF checkpoint directory, atomically."""
+    args = model.model_args
+    state = {_clean_key(k): v.detach() for k, v in model.state_dict().items()}
+    routing = {k for k in state if _OUR_ROUTING.match(k)}
+    if routing and not include_routing:
+        open_gates = [k for k in sorted(routing) if k.endswith(".gate") and torch.count_nonzero(state[k])]
+        if open_gates:
+            raise ValueError(
+                f"refusing to export without routing tensors: {len(open_gates)} gates are not 0 "
+                f"(first: {open_gates[0]}); the plain model would not compute what was trained"
+            )
+        state = {k: v for k, v in state.items() if k not in routing}
+    hf_state = MHARStateDictAdapter(args, base_path).to_hf(state)
+    hf_state = {k: v.to(dtype).contiguous().cpu() for k, v in hf_state.items()}
+
+    config = read_json(_join(base_path, "config.json")) if base_path else hf_config_from_model_args(args, dtype)
+    config["torch_dtype"] = _DTYPE_NAMES[dtype]
+    config.pop("mhar", None)
+    if any(_HF_ROUTING.match(k) for k in hf_state):
+        mhar = args.mhar
+        config["mhar"] = {"num_heads": mhar.num_heads, "num_blocks": mhar.num_blocks, "variant": "delta"}
+
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        _write_shards(hf_state, tmp, max_shard_bytes)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        if base_path:
+            fs, root = fsspec.core.url_to_fs(base_path)
+            for name in TOKENIZER_FILES:
+                if fs.exists(_join(root, name)):
+                    fs.get(_join(root, name), os.path.join(tmp, name))
+        if os.path.exists(out_dir):
+            raise FileExistsError(f"{out_dir} already exists; export into a new directory")
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _clean_key(key: str) -> str:
+    return key.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def _write_shards(state: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(state):
+        nbytes = state[key].numel() * state[key].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = state[key]
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def inspect(path: str, mhar: MHAR | None = None) -> str:
+    """A config summary, the parameter count, and what a load's ledger would say."""
+    config = read_json(_join(path, "config.json"))
+    args = model_args_from_hf_config(config, source=_join(path, "config.json"))
+    args.mhar = mhar or MHAR(enable=False)
+    with torch.device("meta"):
+        model = MHARTransformer(args)
+    ledger = build_ledger(path, model, MHARStateDictAdapter(args, path))
+    n = sum(p.numel() for p in model.parameters())
+    r = args.rope_scaling_args
+    return "\n".join(
+        [
+            f"{path}: Llama, d={args.dim}, {args.n_layers} layers, {args.n_heads}/{args.n_kv_heads} heads, "
+            f"ffn {_ffn_hidden(args)}, vocab {args.vocab_size}, eps {args.norm_eps}, rope theta {args.rope_theta} "
+            f"(llama3 scaling factor {r.scaling_factor}), {n:,} parameters"
+            + (" with MHAR" if args.mhar.enable else ""),
+            ledger.summary(),
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="HF checkpoints for mhar-titan")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_inspect = sub.add_parser("inspect", help="config summary, parameter count, load ledger")
+    p_inspect.add_argument("path")
+    p_inspect.add_argument("--mhar", action="store_true", help="as the MHAR arm would load it")
+    args = parser.parse_args(argv)
+    if args.cmd == "inspect":
+        print(inspect(args.path, MHAR(enable=True) if args.mhar else None))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,206 @@
+"""HF checkpoints in and out, against transformers' LlamaForCausalLM as the oracle."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mhar_titan.hf import export_hf, inspect, load_hf_model, model_args_from_hf_config, read_json
+
+VOCAB = 128
+
+
+def hf_config(**overrides):
+    cfg = dict(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=256,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        tie_word_embeddings=False,
+        eos_token_id=1,
+    )
+    cfg.update(overrides)
+    return LlamaConfig(**cfg)
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    """A random tiny Llama-3.1 saved as sharded safetensors, with a tokenizer file beside it."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(hf_config()).eval()
+    path = tmp_path / "base"
+    model.save_pretrained(path, max_shard_size="60KB", safe_serialization=True)
+    (path / "tokenizer.json").write_text('{"version": "1.0"}')
+    assert len(list(path.glob("*.safetensors"))) > 1
+    return path, model
+
+
+def tokens():
+    return torch.randint(0, VOCAB, (2, 48))
+
+
+def test_logits_match_transformers(hf_dir):
+    path, ref = hf_dir
+    model = load_hf_model(str(path))
+    t = tokens()
+    with torch.no_grad():
+        want = ref(t).logits
+        got = model(t)
+    assert (got - want).abs().max() / want.abs().max() < 1e-5
+    ledger = model.load_ledger
+    assert ledger.ok and not ledger.initialised and len(ledger.loaded) == len(ref.state_dict())
+
+
+def test_mhar_at_init_is_the_control_bit_for_bit(hf_dir):
+    path, _ = hf_dir
+    control = load_hf_model(str(path))
+    mhar = load_hf_model(str(path), mhar={"enable": True, "num_heads": 4, "num_blocks": 2})
+    assert len(mhar.load_ledger.initialised) == 4 * 2 * 4
+    assert set(mhar.load_ledger.initialised.values()) == {"zeros", "ones"}
+    t = tokens()
+    with torch.no_grad():
+        assert torch.equal(mhar(t), control(t))
+
+
+def test_export_round_trips_every_tensor(hf_dir, tmp_path):
+    path, ref = hf_dir
+    model = load_hf_model(str(path))
+    out = tmp_path / "export"
+    export_hf(model, str(out), base_path=str(path), dtype=torch.float32, max_shard_bytes=40_000)
+    assert (out / "tokenizer.json").exists() and (out / "model.safetensors.index.json").exists()
+    again = load_hf_model(str(out))
+    for (k, a), b in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    theirs = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(theirs.state_dict()[k], v), k
+
+
+def test_mhar_export_keeps_routing_or_refuses(hf_dir, tmp_path):
+    path, _ = hf_dir
+    mhar_cfg = {"enable": True, "num_heads": 4, "num_blocks": 2}
+    model = load_hf_model(str(path), mhar=mhar_cfg)
+    # closed gates: the plain model is exact, so a routing-free export is allowed
+    export_hf(model, str(tmp_path / "plain"), base_path=str(path), dtype=torch.float32, include_routing=False)
+    assert "mhar" not in read_json(str(tmp_path / "plain" / "config.json"))
+    LlamaForCausalLM.from_pretrained(tmp_path / "plain")
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "_routing." in name:
+                p.copy_(torch.randn_like(p))
+    with pytest.raises(ValueError, match="gates are not 0"):
+        export_hf(model, str(tmp_path / "refused"), base_path=str(path), include_routing=False)
+    assert not (tmp_path / "refused").exists()
+
+    export_hf(model, str(tmp_path / "mhar"), base_path=str(path), dtype=torch.float32)
+    config = read_json(str(tmp_path / "mhar" / "config.json"))
+    assert config["mhar"]["num_blocks"] == 2
+    again = load_hf_model(str(tmp_path / "mhar"), mhar=mhar_cfg)
+    assert not again.load_ledger.initialised
+    for (k, a), b in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    with pytest.raises(ValueError, match=r"unused: model\.layers\.0\.mhar\.attn\."):
+        load_hf_model(str(tmp_path / "mhar"))  # the control cannot drop trained routing
+
+
+def _single_file(path, tmp_path, edit):
+    model = load_hf_model(str(path))
+    out = tmp_path / "single"
+    export_hf(model, str(out), base_path=str(path), dtype=torch.float32)
+    tensors = {}
+    for shard in out.glob("*.safetensors"):
+        tensors.update(load_file(shard))
+        shard.unlink()
+    (out / "model.safetensors.index.json").unlink()
+    edit(tensors)
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize(
+    "edit,words",
+    [
+        (lambda t: t.pop("model.layers.2.mlp.up_proj.weight"), "missing: layers.2.feed_forward.w3.weight"),
+        (
+            lambda t: t.update({"model.norm.weight": torch.ones(65)}),
+            r"model\.norm\.weight: shape \(65,\) in the checkpoint",
+        ),
+        (lambda t: t.update({"model.layers.0.extra.weight": torch.ones(3)}), r"unused: model\.layers\.0\.extra"),
+        (lambda t: t.update({"lm_head.weight": t["lm_head.weight"].bfloat16()}), r"lm_head\.weight: dtype BF16"),
+    ],
+)
+def test_bad_checkpoints_fail_naming_the_key(hf_dir, tmp_path, edit, words):
+    path, _ = hf_dir
+    bad = _single_file(path, tmp_path, edit)
+    with pytest.raises(ValueError, match=words):
+        load_hf_model(str(bad))
+    assert "load ledger" in inspect(str(bad))
+
+
+@pytest.mark.parametrize(
+    "override,field_name",
+    [
+        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+    ],
+)
+def test_unrepresentable_configs_are_refused_by_field(override, field_name):
+    cfg = {**hf_config().to_dict(), **override}
+    if "rope_scaling" in override:
+        cfg.pop("rope_parameters", None)
+    with pytest.raises(ValueError, match=field_name):
+        model_args_from_hf_config(json.loads(json.dumps(cfg)))
+    with pytest.raises(ValueError, match="model_type"):
+        model_args_from_hf_config({**hf_config().to_dict(), "model_type": "mistral"})
+
+
+def test_marin8b_config_gives_the_marin8b_flavor():
+    from mhar_titan.train_spec import FLAVORS
+
+    cfg = hf_config(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        eos_token_id=128001,
+    )
+    args = model_args_from_hf_config(cfg.to_dict())
+    want = FLAVORS["marin8b"]
+    with torch.device("meta"):
+        from mhar_titan.model import MHARTransformer
+
+        ours, flavor = MHARTransformer(args), MHARTransformer(want)
+    assert [(k, v.shape) for k, v in ours.state_dict().items()] == [
+        (k, v.shape) for k, v in flavor.state_dict().items()
+    ]
+    assert (args.norm_eps, args.rope_theta, args.rope_scaling_args) == (
+        want.norm_eps,
+        want.rope_theta,
+        want.rope_scaling_args,
+    )
