@@ -11,6 +11,7 @@ adds its routing tensors (`model.layers.N.mhar.{attn,ffn}.*`) and an `mhar`
 block in config.json, and may leave them out only while every gate is 0.
 
     python -m mhar_titan.hf inspect PATH
+    python -m mhar_titan.hf export RUN_DIR OUT_DIR [--step N] [--ema] [--dtype bf16]
 """
 
 from __future__ import annotations
@@ -249,10 +250,9 @@ class LoadLedger:
         return json.dumps(asdict(self), indent=2)
 
 
-def build_ledger(path: str, model: torch.nn.Module, adapter: MHARStateDictAdapter) -> LoadLedger:
-    """Compare the checkpoint's tensors (headers only) with the model's."""
+def build_ledger(path: str, expected: dict[str, torch.Size], adapter: MHARStateDictAdapter) -> LoadLedger:
+    """Compare the checkpoint's tensors (headers only) with the model's {key: global shape}."""
     ledger = LoadLedger(source=path)
-    expected = {k: v for k, v in model.state_dict().items()}
     config_dtype = read_json(_join(path, "config.json")).get("torch_dtype")
     headers: dict[str, dict[str, Any]] = {}
     for shard in sorted(set(checkpoint_files(path).values())):
@@ -271,7 +271,7 @@ def build_ledger(path: str, model: torch.nn.Module, adapter: MHARStateDictAdapte
             ledger.unused.append(hf_key)
             continue
         seen.add(ours)
-        want = tuple(expected[ours].shape)
+        want = tuple(expected[ours])
         dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
         if tuple(info["shape"]) != want:
             ledger.mismatched.append(f"{hf_key}: shape {tuple(info['shape'])} in the checkpoint, {want} in the model")
@@ -285,6 +285,10 @@ def build_ledger(path: str, model: torch.nn.Module, adapter: MHARStateDictAdapte
         else:
             ledger.missing.append(key)
     return ledger
+
+
+def model_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
+    return {_clean_key(k): v.shape for k, v in model.state_dict().items()}
 
 
 def load_hf_model(
@@ -308,7 +312,7 @@ def load_hf_model(
     with torch.device("meta"):
         model = MHARTransformer(args)
     adapter = MHARStateDictAdapter(args, path)
-    ledger = build_ledger(path, model, adapter)
+    ledger = build_ledger(path, model_shapes(model), adapter)
     if not ledger.ok:
         raise ValueError(ledger.summary())
 
@@ -420,6 +424,58 @@ def _write_shards(state: dict[str, torch.Tensor], out_dir: str, max_shard_bytes:
 
 
 # ---------------------------------------------------------------------------------------------
+# run checkpoints (torchtitan DCP) -> model
+
+
+def run_model_args(run_dir: str) -> tuple[MHARModelArgs, str | None]:
+    """The architecture and [mhar] settings a run recorded (model_args.json), and its hf_assets_path."""
+    path = os.path.join(run_dir, "model_args.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: not found; is {run_dir} the dump_folder of a train_cpt.py run?")
+    info = read_json(path)
+    raw = dict(info["args"])
+    raw["rope_scaling_args"] = RoPEScalingArgs(**raw["rope_scaling_args"])
+    raw["mhar"] = MHAR(**raw["mhar"])
+    return MHARModelArgs(**raw), info.get("hf_assets_path")
+
+
+def checkpoint_step_dir(run_dir: str, step: int | None = None) -> str:
+    """The run's checkpoint folder for `step` (default: the latest complete one)."""
+    folder = os.path.join(run_dir, "checkpoint")
+    steps = sorted(
+        int(m[1])
+        for name in (os.listdir(folder) if os.path.isdir(folder) else [])
+        if (m := re.fullmatch(r"step-(\d+)", name)) and os.path.isfile(os.path.join(folder, name, ".metadata"))
+    )
+    if not steps:
+        raise FileNotFoundError(f"{folder}: no complete checkpoint (step-N with .metadata)")
+    if step is None:
+        step = steps[-1]
+    if step not in steps:
+        raise FileNotFoundError(f"{folder}: no complete checkpoint for step {step}; have {steps}")
+    return os.path.join(folder, f"step-{step}")
+
+
+def load_run_checkpoint(run_dir: str, step: int | None = None, *, ema: bool = False) -> MHARTransformer:
+    """A run's weights at `step` (fp32, CPU, one process), read from its distributed checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    args, _ = run_model_args(run_dir)
+    step_dir = checkpoint_step_dir(run_dir, step)
+    if ema:
+        raise ValueError(f"{step_dir}: this run keeps no EMA weights (the weight EMA comes with the recipe)")
+    with torch.device("meta"):
+        model = MHARTransformer(args)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=step_dir)
+    model.load_state_dict(state)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
 # CLI
 
 
@@ -430,7 +486,7 @@ def inspect(path: str, mhar: MHAR | None = None) -> str:
     args.mhar = mhar or MHAR(enable=False)
     with torch.device("meta"):
         model = MHARTransformer(args)
-    ledger = build_ledger(path, model, MHARStateDictAdapter(args, path))
+    ledger = build_ledger(path, model_shapes(model), MHARStateDictAdapter(args, path))
     n = sum(p.numel() for p in model.parameters())
     r = args.rope_scaling_args
     return "\n".join(
@@ -450,9 +506,23 @@ def main(argv: list[str] | None = None) -> None:
     p_inspect = sub.add_parser("inspect", help="config summary, parameter count, load ledger")
     p_inspect.add_argument("path")
     p_inspect.add_argument("--mhar", action="store_true", help="as the MHAR arm would load it")
+    p_export = sub.add_parser("export", help="a run's checkpoint as an HF directory")
+    p_export.add_argument("run_dir")
+    p_export.add_argument("out_dir")
+    p_export.add_argument("--step", type=int, default=None, help="default: the latest complete checkpoint")
+    p_export.add_argument("--ema", action="store_true", help="the EMA weights instead of the raw ones")
+    p_export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p_export.add_argument("--no-routing", action="store_true", help="plain Llama (only while every gate is 0)")
     args = parser.parse_args(argv)
     if args.cmd == "inspect":
         print(inspect(args.path, MHAR(enable=True) if args.mhar else None))
+    elif args.cmd == "export":
+        model = load_run_checkpoint(args.run_dir, args.step, ema=args.ema)
+        _, base = run_model_args(args.run_dir)
+        base = base if base and fsspec.core.url_to_fs(base)[0].exists(_join(base, "config.json")) else None
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+        export_hf(model, args.out_dir, base_path=base, dtype=dtype, include_routing=not args.no_routing)
+        print(f"exported {checkpoint_step_dir(args.run_dir, args.step)} to {args.out_dir} ({args.dtype})")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ exactly the base model.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,8 @@ from torchtitan.protocols.model import AttentionMasksType
 from kernels.routing import mhar_route_with_weights
 from mhar_titan.config import MHAR
 
+# `[model] flavor = "hf"`: the architecture of the config.json in `model.hf_assets_path`.
+HF_FLAVOR = "hf"
 # Columns of the per-site statistics each block returns (see RoutingSite.stats).
 STAT_NAMES = ("gate", "entropy", "w_null", "w_embed", "w_deltas")
 SITE_NAMES = ("attn", "ffn")
@@ -33,6 +36,12 @@ class MHARModelArgs(TransformerModelArgs):
     mhar: MHAR = field(default_factory=MHAR)
 
     def update_from_config(self, job_config: JobConfig, **kwargs) -> None:
+        if job_config.model.flavor == HF_FLAVOR:
+            from mhar_titan.hf import model_args_from_hf_config, read_json
+
+            path = job_config.model.hf_assets_path.rstrip("/") + "/config.json"
+            for f in dataclasses.fields(TransformerModelArgs):
+                setattr(self, f.name, getattr(model_args_from_hf_config(read_json(path), source=path), f.name))
         super().update_from_config(job_config, **kwargs)
         self.mhar = copy.deepcopy(job_config.mhar)
         self.validate()

@@ -18,7 +18,7 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 
 import data.parquet_text  # noqa: F401  (registers the "parquet" dataset)
 from mhar_titan.hf import MHARStateDictAdapter
-from mhar_titan.model import MHARModelArgs, MHARTransformer
+from mhar_titan.model import HF_FLAVOR, MHARModelArgs, MHARTransformer
 from mhar_titan.optimizer import build_optimizers
 from mhar_titan.parallelize import parallelize
 
@@ -58,6 +58,10 @@ FLAVORS: dict[str, MHARModelArgs] = {
         eos_id=128001,
     ),
 }
+
+
+# The architecture is read from `model.hf_assets_path`/config.json at start-up.
+FLAVORS[HF_FLAVOR] = MHARModelArgs()
 
 
 def build_train_spec() -> TrainSpec:

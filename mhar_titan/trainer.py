@@ -2,21 +2,44 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+
 import torch
+import torchtitan.train as titan_train
 from torchtitan.config import ConfigManager, JobConfig
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer
 
 from mhar_titan import cpu
+from mhar_titan.checkpoint import CPTCheckpointManager
 from mhar_titan.routing_stats import gather_routing_stats
 from mhar_titan.train_spec import MODEL_NAME, train_spec
 
 CONFIG_MODULE = "mhar_titan.config"
+MODEL_ARGS_FILE = "model_args.json"
 _CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-module")
 
 
 class CPTTrainer(Trainer):
     """torchtitan's Trainer, plus routing statistics; the recipe's EMA state hooks in here too."""
+
+    def __init__(self, job_config: JobConfig):
+        # torchtitan's Trainer builds its checkpointer from this module global.
+        titan_train.CheckpointManager = CPTCheckpointManager
+        super().__init__(job_config)
+        self._write_model_args()
+
+    def _write_model_args(self) -> None:
+        """The architecture and [mhar] settings beside the checkpoints, so tools can rebuild the model."""
+        if torch.distributed.get_rank() != 0:
+            return
+        os.makedirs(self.job_config.job.dump_folder, exist_ok=True)
+        path = os.path.join(self.job_config.job.dump_folder, MODEL_ARGS_FILE)
+        info = {"hf_assets_path": self.job_config.model.hf_assets_path, "args": dataclasses.asdict(self.model_args)}
+        with open(path, "w") as f:
+            json.dump(info, f, indent=2)
 
     def train_step(self, data_iterator) -> None:
         super().train_step(data_iterator)

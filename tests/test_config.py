@@ -33,7 +33,8 @@ def test_marin8b_control_config_holds_the_recipe():
     assert cfg.activation_checkpoint.mode == "full"
     assert cfg.compile.enable and "model" in cfg.compile.components
     assert cfg.parallelism.data_parallel_shard_degree == -1
-    assert cfg.checkpoint.initial_load_in_hf and cfg.model.flavor == "marin8b"
+    assert cfg.checkpoint.initial_load_in_hf and cfg.model.flavor == "hf"
+    assert cfg.checkpoint.initial_load_path is None  # the base path is set once, in model.hf_assets_path
 
 
 def test_other_model_names_are_refused_by_name():

@@ -204,3 +204,19 @@ def test_marin8b_config_gives_the_marin8b_flavor():
         want.rope_theta,
         want.rope_scaling_args,
     )
+
+
+def test_inspect_cli_summarises_a_checkpoint(hf_dir):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    path, ref = hf_dir
+    out = subprocess.run(
+        [sys.executable, "-m", "mhar_titan.hf", "inspect", str(path)], cwd=REPO, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    n = sum(p.numel() for p in ref.parameters())
+    assert "4 layers" in out.stdout and f"{n:,} parameters" in out.stdout
+    assert f"{len(ref.state_dict())} tensors loaded" in out.stdout and "0 unused" in out.stdout
