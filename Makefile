@@ -1,4 +1,4 @@
-# The interface: install, test, demo, lint, bench-kernels. `make test` and `make demo`
+# The interface: install, test, demo, lint, bench-kernels, bench-data. `make test` and `make demo`
 # each set up everything they need on a fresh machine.
 
 PYTHON ?= python3
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DIR := runs/tiny
 
-.PHONY: install test demo lint bench-kernels clean
+.PHONY: install test demo lint bench-kernels bench-data clean
 
 install: $(STAMP)
 
@@ -36,6 +36,10 @@ demo: install
 # Uses .venv when there is one, else the python3 on PATH (GPU machines bring their own torch).
 bench-kernels:
 	$(if $(wildcard $(PY)),$(PY),python3) -m kernels.bench_routing
+
+# CPU: the parquet loader's tokens/s per rank on shards of real text.
+bench-data: install
+	$(PY) -m data.bench
 
 lint: install
 	$(PY) -m ruff check .

@@ -6,6 +6,7 @@ command line names another module, so every job has these sections.
 
 from dataclasses import dataclass, field
 
+from data.config import DataConfig
 from kernels.routing import BACKENDS, MAX_TRITON_SOURCES
 
 
@@ -51,3 +52,4 @@ class MHAR:
 @dataclass
 class JobConfig:
     mhar: MHAR = field(default_factory=MHAR)
+    data: DataConfig = field(default_factory=DataConfig)

@@ -12,11 +12,10 @@ from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.components.validate import build_validator
-from torchtitan.hf_datasets.text_datasets import build_text_dataloader
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
-import data.parquet_text  # noqa: F401  (registers the "parquet" dataset)
+from data.loader import build_parquet_dataloader
 from mhar_titan.hf import MHARStateDictAdapter
 from mhar_titan.model import HF_FLAVOR, MHARModelArgs, MHARTransformer
 from mhar_titan.optimizer import build_optimizers
@@ -72,7 +71,7 @@ def build_train_spec() -> TrainSpec:
         pipelining_fn=None,  # MHAR sources span the whole depth: no pipeline stages
         build_optimizers_fn=build_optimizers,
         build_lr_schedulers_fn=build_lr_schedulers,
-        build_dataloader_fn=build_text_dataloader,
+        build_dataloader_fn=build_parquet_dataloader,
         build_tokenizer_fn=build_hf_tokenizer,
         build_loss_fn=build_cross_entropy_loss,
         build_validator_fn=build_validator,

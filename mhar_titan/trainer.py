@@ -12,6 +12,7 @@ from torchtitan.config import ConfigManager, JobConfig
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.train import Trainer
 
+from data.loader import gather_counters
 from mhar_titan import cpu
 from mhar_titan.checkpoint import CPTCheckpointManager
 from mhar_titan.routing_stats import gather_routing_stats
@@ -44,6 +45,13 @@ class CPTTrainer(Trainer):
     def train_step(self, data_iterator) -> None:
         super().train_step(data_iterator)
         self._log_routing_stats()
+        self._log_data_counters()
+
+    def _log_data_counters(self) -> None:
+        if not self.metrics_processor.should_log(self.step):
+            return
+        counters = gather_counters(self.dataloader)
+        self.metrics_processor.logger.log({f"data/{k}": v for k, v in counters.items()}, self.step)
 
     def _log_routing_stats(self) -> None:
         mhar = self.job_config.mhar

@@ -11,11 +11,13 @@ import torch.nn.functional as F
 from conftest import REPO, torchrun
 from safetensors.torch import load_file
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
-from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from data.loader import ParquetDataLoader, data_config
+from data.shards import list_shards
 from mhar_titan.hf import load_hf_model
 from mhar_titan.tensorboard_scalars import read_scalars
+from mhar_titan.trainer import parse_config
 
 SEQ, BATCH = 64, 2
 
@@ -53,14 +55,16 @@ def base(tmp_path_factory):
 
 def first_step_loss(path) -> float:
     """The trainer's first global loss, recomputed on one process from the same batches."""
+    from data.loader import Encoder
+
     model = load_hf_model(str(path))
-    tok = HuggingFaceTokenizer(str(REPO / "assets" / "tiny"))
+    encode = Encoder(HuggingFaceTokenizer(str(REPO / "assets" / "tiny")))
+    cfg = data_config(parse_config(["--job.config_file", str(REPO / "configs/tiny_cpu.toml")]))
     total, count = 0.0, 0
     for rank in range(2):
-        ds = HuggingFaceTextDataset("parquet", str(REPO / "assets/tiny/corpus"), tok, SEQ, rank, 2)
-        samples = [s for _, s in zip(range(BATCH), iter(ds), strict=False)]
-        inputs = torch.stack([s[0]["input"] for s in samples])
-        labels = torch.stack([s[1] for s in samples])
+        loader = ParquetDataLoader(cfg, list_shards(cfg.paths), encode, SEQ, BATCH, rank, 2)
+        batch, labels = next(iter(loader))
+        inputs = batch["input"]
         with torch.no_grad():
             logits = model(inputs)
         total += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum").item()

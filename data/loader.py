@@ -1,0 +1,212 @@
+"""The training and validation loaders over sharded parquet, for torchtitan's trainer.
+
+Each data-parallel rank owns the logical streams s with s % dp_world == dp_rank
+and takes its k-th batch from its (k mod n)-th stream, k counting batches from
+the start of the run. Loader workers split a rank's streams, and every batch
+carries its stream's state, so the main process always knows the exact state
+of each stream after the last batch it delivered: the checkpointed state is the
+same with 0 or 8 workers, and a run may resume on another number of ranks (each
+stream, keyed by its id, continues exactly).
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
+from torchtitan.config import JobConfig
+
+from data.config import DataConfig
+from data.shards import check_shards, held_out, list_shards
+from data.stream import PackedStream, new_state
+
+COUNTERS = ("docs", "skipped_docs", "skipped_shards", "held_out_docs")
+
+
+class Encoder:
+    """Batched tokenisation with the base checkpoint's tokenizer.json; picklable for workers."""
+
+    def __init__(self, tokenizer: HuggingFaceTokenizer):
+        self.tokenizer = tokenizer.tokenizer
+        if tokenizer.eos_id is None:
+            raise ValueError("the tokenizer has no end-of-text token (tokenizer_config.json eos_token)")
+        self.eos_id = tokenizer.eos_id
+
+    def __call__(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
+class _TrainingKeep:
+    def __init__(self, fraction: float):
+        self.fraction = fraction
+
+    def __call__(self, text: str) -> bool:
+        return not held_out(text, self.fraction)
+
+
+class _HeldOutKeep(_TrainingKeep):
+    def __call__(self, text: str) -> bool:
+        return held_out(text, self.fraction)
+
+
+class _RankStreams(IterableDataset):
+    """Batches of one rank, from batch `start` on; each worker serves a fixed subset of the streams."""
+
+    def __init__(self, loader: ParquetDataLoader, states: dict[int, dict[str, Any]], start: int):
+        self.cfg, self.shards, self.encode = loader.cfg, loader.shards, loader.encode
+        self.local, self.batch, self.seq_len = loader.local, loader.batch, loader.seq_len
+        self.states, self.start = states, start
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info else (1, 0)
+        n = len(self.local)
+        keep = _TrainingKeep(self.cfg.validation_fraction)
+        mine = [i for i in range(n) if i % workers == (self.start + worker) % workers]
+        streams = {
+            self.local[i]: PackedStream(
+                self.local[i], self.shards, self.cfg, self.encode, self.encode.eos_id, self.states[self.local[i]], keep
+            )
+            for i in mine
+        }
+        k = self.start + worker
+        while True:
+            sid = self.local[k % n]
+            stream = streams[sid]
+            inputs, labels = stream.next_batch(self.batch, self.seq_len)
+            yield {"input": inputs, "labels": labels, "stream": sid, "state": pickle.dumps(stream.state)}
+            k += workers
+
+
+class ParquetDataLoader(BaseDataLoader):
+    """Infinite packed batches [local_batch_size, seq_len] for one data-parallel rank."""
+
+    def __init__(
+        self,
+        cfg: DataConfig,
+        shards: list[str],
+        encode: Encoder,
+        seq_len: int,
+        batch: int,
+        dp_rank: int,
+        dp_world: int,
+        num_workers: int = 0,
+    ):
+        cfg.validate()
+        if cfg.num_streams % dp_world:
+            raise ValueError(f"[data] num_streams = {cfg.num_streams} must be a multiple of the {dp_world} DP ranks")
+        per_rank = cfg.num_streams // dp_world
+        if num_workers and per_rank % num_workers:
+            raise ValueError(
+                f"[data] num_streams = {cfg.num_streams}: each of the {dp_world} ranks gets {per_rank} streams, "
+                f"which its {num_workers} loader workers must divide"
+            )
+        self.cfg, self.shards, self.encode = cfg, shards, encode
+        self.seq_len, self.batch, self.num_workers = seq_len, batch, num_workers
+        self.local = [s for s in range(cfg.num_streams) if s % dp_world == dp_rank]
+        self.states = {s: new_state() for s in self.local}
+        self.batches = 0
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        dataset = _RankStreams(self, copy.deepcopy(self.states), self.batches)
+        loader = DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=self.num_workers,
+            prefetch_factor=2 if self.num_workers else None,
+        )
+        for item in loader:
+            self.states[item["stream"]] = pickle.loads(item["state"])
+            self.batches += 1
+            yield {"input": item["input"]}, item["labels"]
+
+    def state_dict(self) -> dict[str, Any]:
+        # One entry per stream, keyed by its id: any number of ranks can load them back.
+        state: dict[str, Any] = {"batches": self.batches}
+        state.update({f"stream_{s:05d}": pickle.dumps(self.states[s]) for s in self.local})
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.batches = int(state_dict["batches"])
+        for s in self.local:
+            self.states[s] = pickle.loads(state_dict[f"stream_{s:05d}"])
+
+    def counters(self) -> dict[str, int]:
+        """This rank's cumulative document counters and tokens per source."""
+        out = {name: sum(st[name] for st in self.states.values()) for name in COUNTERS}
+        for st in self.states.values():
+            for source, n in st["source_tokens"].items():
+                out[f"tokens/{source}"] = out.get(f"tokens/{source}", 0) + n
+        return out
+
+
+class ValidationLoader:
+    """A fixed, finite validation set: named shards, or the documents held out by hash.
+
+    Every iteration starts over and yields the same batches; the last partial window of
+    each rank is left out. Ranks split the shards round-robin.
+    """
+
+    def __init__(
+        self, cfg: DataConfig, shards: list[str], encode: Encoder, seq_len: int, batch: int, dp_rank: int, dp_world: int
+    ):
+        named = list_shards(cfg.validation_paths) if cfg.validation_paths else []
+        if not named and cfg.validation_fraction <= 0:
+            raise ValueError("[data] no validation set: set validation_paths or validation_fraction")
+        source = named or shards
+        self.shards = source[dp_rank::dp_world]
+        self.keep = (lambda text: True) if named else _HeldOutKeep(cfg.validation_fraction)
+        self.cfg, self.encode, self.seq_len, self.batch = cfg, encode, seq_len, batch
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        stream = PackedStream(
+            0, self.shards, self.cfg, self.encode, self.encode.eos_id, keep=self.keep, validation=True
+        )
+        while (batch := stream.next_batch(self.batch, self.seq_len)) is not None:
+            yield {"input": batch[0]}, batch[1]
+
+
+def data_config(job_config: JobConfig) -> DataConfig:
+    cfg = copy.deepcopy(job_config.data)
+    if not cfg.paths and not cfg.manifest:
+        if not job_config.training.dataset_path:
+            raise ValueError("[data] paths, [data] manifest or training.dataset_path must name the shards")
+        cfg.paths = [job_config.training.dataset_path]
+    return cfg
+
+
+def build_parquet_dataloader(
+    dp_world_size: int, dp_rank: int, tokenizer: BaseTokenizer, job_config: JobConfig, **_: Any
+) -> ParquetDataLoader:
+    """The `TrainSpec` dataloader builder."""
+    cfg = data_config(job_config)
+    shards = list_shards(cfg.paths, cfg.manifest)
+    if cfg.check_shards:
+        shards = check_shards(shards, cfg.text_column, cfg.source_column, cfg.on_bad_shard)
+    if not isinstance(tokenizer, HuggingFaceTokenizer):
+        raise TypeError("the parquet loader needs the HF tokenizer of model.hf_assets_path")
+    t = job_config.training
+    return ParquetDataLoader(
+        cfg, shards, Encoder(tokenizer), t.seq_len, t.local_batch_size, dp_rank, dp_world_size, t.dataloader.num_workers
+    )
+
+
+def gather_counters(loader: ParquetDataLoader) -> dict[str, int]:
+    """Counters summed over all ranks (every rank must call)."""
+    mine = loader.counters()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    everyone: list[dict[str, int]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, mine)
+    total: dict[str, int] = {}
+    for counts in everyone:
+        for k, v in counts.items():
+            total[k] = total.get(k, 0) + v
+    return total

@@ -1,0 +1,251 @@
+"""The sharded-parquet pipeline: order, packing, exact resume (workers, rank changes), bad input."""
+
+import hashlib
+import pickle
+import random
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import REPO
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+from data.config import DataConfig
+from data.loader import Encoder, ParquetDataLoader, ValidationLoader
+from data.shards import BadShardError, held_out, list_shards, read_row_group, shard_info
+from data.stream import _permutation, epoch_streams
+
+SEQ, BATCH = 16, 2
+ENCODE = Encoder(HuggingFaceTokenizer(str(REPO / "assets" / "tiny")))
+WORDS = ["routing", "depth", "Zürich", "naïve", "日本語", "emoji🙂", "the", "of", "residual", "stream", "λ"]
+
+
+def random_doc(rng, long=False):
+    n = rng.randint(80, 150) if long else rng.randint(1, 30)  # long: several windows of SEQ tokens
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """Six shards of two or three row groups: short, long (several windows), unicode, empty and null documents."""
+    rng = random.Random()
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    docs = {}
+    for i in range(6):
+        texts = [random_doc(rng, long=rng.random() < 0.1) for _ in range(rng.randint(8, 14))]
+        texts[rng.randrange(len(texts))] = ""
+        texts[rng.randrange(len(texts))] = None
+        sources = [rng.choice(["web", "code"]) for _ in texts]
+        path = folder / f"shard-{i:02d}.parquet"
+        pq.write_table(
+            pa.table({"text": texts, "source": sources, "score": list(range(len(texts)))}), path, row_group_size=5
+        )
+        docs[str(path)] = list(zip(texts, sources, strict=True))
+    return folder, docs
+
+
+def cfg_for(folder, **kw):
+    return DataConfig(paths=[str(folder / "*.parquet")], source_column="source", num_streams=4, seed=7, **kw)
+
+
+def loader(cfg, rank=0, world=2, workers=0):
+    return ParquetDataLoader(cfg, list_shards(cfg.paths), ENCODE, SEQ, BATCH, rank, world, workers)
+
+
+def take(ld, n, it=None):
+    it = it or iter(ld)
+    return [next(it) for _ in range(n)], it
+
+
+def take_until(ld, done, cap=3000):
+    """Batches until done(batches) holds (at most cap)."""
+    batches, it = [], iter(ld)
+    while not done(batches):
+        assert len(batches) < cap, "condition never met"
+        batches += [next(it) for _ in range(20)]
+    return batches
+
+
+def stream_docs(cfg, docs, stream, epoch=0):
+    """The documents of one logical stream in one epoch, by the documented order."""
+    out = []
+    for path in epoch_streams(sorted(docs), cfg.seed, epoch, cfg.num_streams)[stream]:
+        sizes = shard_info(path, "text").row_groups
+        for rg in _permutation(len(sizes), f"rg:{cfg.seed}:{epoch}:{path}"):
+            texts, _ = read_row_group(path, rg, "text")
+            for row in _permutation(len(texts), f"row:{cfg.seed}:{epoch}:{path}:{rg}"):
+                if texts[row] and not held_out(texts[row], cfg.validation_fraction):
+                    out.append(texts[row])
+    return out
+
+
+def flat(batches):
+    """A stream's token sequence from its windows: every input row plus its last label."""
+    tokens = []
+    for b, labels in batches:
+        for row, lab in zip(b["input"], labels, strict=True):
+            assert torch.equal(row[1:], lab[:-1])
+            tokens += row.tolist() + [lab[-1].item()]
+    return tokens
+
+
+def by_stream(ld, batches, start=0):
+    """Split a rank's batches by the stream each came from (batch k from local stream k mod n)."""
+    out = {s: [] for s in ld.local}
+    for k, batch in enumerate(batches, start):
+        out[ld.local[k % len(ld.local)]].append(batch)
+    return out
+
+
+def test_windows_are_the_documents_joined_by_eos_in_order(corpus):
+    folder, docs = corpus
+    cfg = cfg_for(folder)
+    seen = {}
+    for rank in range(2):
+        ld = loader(cfg, rank)
+        want = {}
+        for s in ld.local:
+            want[s] = [t for text in stream_docs(cfg, docs, s) for t in ENCODE([text])[0] + [ENCODE.eos_id]]
+        batches = take_until(
+            ld, lambda bs, ld=ld, want=want: all(len(flat(b)) >= len(want[s]) for s, b in by_stream(ld, bs).items())
+        )
+        for s, sb in by_stream(ld, batches).items():
+            assert flat(sb)[: len(want[s])] == want[s], f"stream {s}"
+            seen[s] = stream_docs(cfg, docs, s)
+    all_docs = [t for v in docs.values() for t, _ in v if t]
+    assert sorted(d for v in seen.values() for d in v) == sorted(all_docs)  # every document once, on one rank
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_at_random_cut_points_is_exact(corpus, workers):
+    folder, _ = corpus
+    cfg = cfg_for(folder)
+    want, _ = take(loader(cfg, 1, workers=workers), 24)
+    cut = random.randint(1, 23)
+    first = loader(cfg, 1, workers=workers)
+    head, _ = take(first, cut)
+    state = pickle.loads(pickle.dumps(first.state_dict()))
+    second = loader(cfg, 1, workers=workers)
+    second.load_state_dict(state)
+    tail, _ = take(second, 24 - cut)
+    for k, ((a, la), (b, lb)) in enumerate(zip(want, head + tail, strict=True)):
+        assert torch.equal(a["input"], b["input"]) and torch.equal(la, lb), f"batch {k} (cut {cut})"
+
+
+def test_state_and_stream_do_not_depend_on_loader_workers(corpus):
+    folder, _ = corpus
+    cfg = cfg_for(folder)
+    plain, with_workers = loader(cfg, 0), loader(cfg, 0, workers=2)
+    a, _ = take(plain, 9)
+    b, _ = take(with_workers, 9)
+    assert all(torch.equal(x[0]["input"], y[0]["input"]) for x, y in zip(a, b, strict=True))
+    assert plain.state_dict() == with_workers.state_dict()
+
+
+def test_resume_on_four_ranks_after_two_keeps_every_streams_order(corpus):
+    folder, _ = corpus
+    cfg = cfg_for(folder)
+    reference = loader(cfg, 0, world=1)  # all four streams on one rank
+    ref_batches, _ = take(reference, 48)
+    ref = {s: flat(b) for s, b in by_stream(reference, ref_batches).items()}
+
+    got = {s: [] for s in range(4)}
+    state = {}
+    for rank in range(2):
+        ld = loader(cfg, rank, world=2)
+        batches, _ = take(ld, 5)
+        for s, b in by_stream(ld, batches).items():
+            got[s] += b
+        state.update(ld.state_dict())  # what DCP gathers from both ranks
+    for rank in range(4):
+        ld = loader(cfg, rank, world=4)
+        ld.load_state_dict(state)
+        batches, _ = take(ld, 6)
+        got[rank] += batches
+    for s in range(4):
+        tokens = flat(got[s])
+        assert tokens == ref[s][: len(tokens)], f"stream {s}"
+
+
+def test_same_seed_same_stream_in_another_process(corpus):
+    folder, _ = corpus
+    cfg = cfg_for(folder)
+    batches, _ = take(loader(cfg, 0), 6)
+    digest = hashlib.sha256(b"".join(b["input"].numpy().tobytes() for b, _ in batches)).hexdigest()
+    code = (
+        "import hashlib, sys; sys.path.insert(0, 'tests')\n"
+        "from test_data import cfg_for, loader, take\nfrom pathlib import Path\n"
+        f"batches, _ = take(loader(cfg_for(Path({str(folder)!r})), 0), 6)\n"
+        "print(hashlib.sha256(b''.join(b['input'].numpy().tobytes() for b, _ in batches)).hexdigest())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == digest
+    other, _ = take(loader(cfg_for(folder, validation_fraction=0.0).__class__(**{**cfg.__dict__, "seed": 8}), 0), 6)
+    assert any(not torch.equal(a[0]["input"], b[0]["input"]) for a, b in zip(batches, other, strict=True))
+
+
+def test_counters_count_documents_sources_and_skips(corpus):
+    folder, docs = corpus
+    cfg = cfg_for(folder)
+    ld = loader(cfg, 0, world=1)
+    batches = take_until(ld, lambda bs: all(st["epoch"] >= 1 for st in ld.states.values()))  # one epoch everywhere
+    counters = ld.counters()
+    states = ld.states.values()
+    per_epoch_empty = sum(1 for v in docs.values() for t, _ in v if not t)
+    assert counters["skipped_docs"] >= per_epoch_empty
+    assert counters["tokens/web"] + counters["tokens/code"] == sum(len(st["buffer"]) for st in states) + sum(
+        b["input"].numel() + BATCH for b, _ in batches
+    )
+
+
+def test_bad_shards_fail_naming_the_file_or_are_skipped_and_counted(corpus):
+    folder, _ = corpus
+    bad = folder / "shard-99.parquet"
+    bad.write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(BadShardError, match="shard-99.parquet: unreadable"):
+        take_until(loader(cfg_for(folder), 0, world=1), lambda bs: False)
+    ld = loader(cfg_for(folder, on_bad_shard="skip"), 0, world=1)
+    take_until(ld, lambda bs: ld.counters()["skipped_shards"] >= 1)
+
+    bad.unlink()
+    pq.write_table(pa.table({"body": ["x"] * 3}), bad)
+    with pytest.raises(BadShardError, match=r"shard-99.parquet: no column 'text'"):
+        take_until(loader(cfg_for(folder), 0, world=1), lambda bs: False)
+    bad.unlink()
+    pq.write_table(pa.table({"text": [1, 2, 3], "source": ["a", "b", "c"]}), bad)
+    with pytest.raises(BadShardError, match=r"shard-99.parquet: column 'text' holds int64"):
+        take_until(loader(cfg_for(folder), 0, world=1), lambda bs: False)
+
+
+def test_start_up_check_finds_bad_shards_before_any_batch(corpus):
+    from data.shards import check_shards
+
+    folder, docs = corpus
+    (folder / "shard-99.parquet").write_bytes(b"not parquet")
+    shards = list_shards([str(folder)])
+    with pytest.raises(BadShardError, match="shard-99.parquet: unreadable"):
+        check_shards(shards, "text", "source", "error")
+    assert check_shards(shards, "text", "source", "skip") == sorted(docs)
+
+
+def test_validation_set_is_fixed_finite_and_held_out(corpus):
+    folder, docs = corpus
+    cfg = cfg_for(folder, validation_fraction=0.3)
+    val = ValidationLoader(cfg, list_shards(cfg.paths), ENCODE, SEQ, BATCH, 0, 1)
+    first, second = list(val), list(val)
+    assert first and len(first) == len(second)
+    assert all(torch.equal(a[0]["input"], b[0]["input"]) for a, b in zip(first, second, strict=True))
+    held = [t for v in docs.values() for t, _ in v if t and held_out(t, 0.3)]
+    train_docs = [d for s in range(4) for d in stream_docs(cfg, docs, s)]
+    assert held and not set(held) & set(train_docs)
+
+
+def test_loader_settings_are_checked():
+    with pytest.raises(ValueError, match="on_bad_shard"):
+        DataConfig(on_bad_shard="ignore").validate()
+    with pytest.raises(ValueError, match="multiple of the 3 DP ranks"):
+        ParquetDataLoader(DataConfig(num_streams=4), ["x"], ENCODE, SEQ, BATCH, 0, 3)
