@@ -1,6 +1,7 @@
 """The sharded-parquet pipeline: order, packing, exact resume (workers, rank changes), bad input."""
 
 import hashlib
+import json
 import pickle
 import random
 import subprocess
@@ -249,3 +250,27 @@ def test_loader_settings_are_checked():
         DataConfig(on_bad_shard="ignore").validate()
     with pytest.raises(ValueError, match="multiple of the 3 DP ranks"):
         ParquetDataLoader(DataConfig(num_streams=4), ["x"], ENCODE, SEQ, BATCH, 0, 3)
+
+
+def test_preview_prints_windows_and_source_statistics():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data.preview",
+            "configs/tiny_cpu.toml",
+            "--n",
+            "3",
+            "--json",
+            "--training.seq_len",
+            "32",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [line["window"] for line in lines] == [0, 1, 2]
+    assert all(len(line["ids"]) == 33 for line in lines)
+    assert "tokens/" in out.stderr and "% of tokens" in out.stderr

@@ -24,6 +24,19 @@ def test_mhar_tiny_trains_moves_its_gates_and_logs_routing_stats(tmp_path):
             total = values["w_null"][step] + values["w_embed"][step] + values["w_deltas"][step]
             assert total == pytest.approx(1.0, abs=1e-5), (site, step)
     assert read_scalars(run, "mhar/gate/mean")[10] != 0
+    docs = read_scalars(run, "data/docs")  # the loader's counters, summed over ranks
+    assert list(docs) == list(range(1, 11)) and docs[10] > docs[1] > 0
+    assert sum(read_scalars(run, tag)[10] for tag in _source_tags(run)) > 0
+
+
+def _source_tags(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mhar_titan.tensorboard_scalars import event_files
+
+    acc = EventAccumulator(str(event_files(run)[0]))
+    acc.Reload()
+    return [t for t in acc.Tags()["scalars"] if t.startswith("data/tokens/")]
 
 
 def test_triton_backend_trains_under_fsdp_and_checkpointing_like_torch(tmp_path):
