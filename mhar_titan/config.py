@@ -50,6 +50,15 @@ class MHAR:
 
 
 @dataclass
+class Optimizer:
+    """Additions to torchtitan's `[optimizer]`."""
+
+    weight_decay_output: bool = True
+    """Decay the output projection (embeddings, norms, biases and routing never decay)."""
+
+
+@dataclass
 class JobConfig:
     mhar: MHAR = field(default_factory=MHAR)
     data: DataConfig = field(default_factory=DataConfig)
+    optimizer: Optimizer = field(default_factory=Optimizer)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 
 from torchtitan.components.loss import build_cross_entropy_loss
-from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.components.validate import build_validator
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
@@ -17,6 +16,7 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 
 from data.loader import build_parquet_dataloader
 from mhar_titan.hf import MHARStateDictAdapter
+from mhar_titan.lr_schedule import build_lr_schedulers
 from mhar_titan.model import HF_FLAVOR, MHARModelArgs, MHARTransformer
 from mhar_titan.optimizer import build_optimizers
 from mhar_titan.parallelize import parallelize

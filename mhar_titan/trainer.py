@@ -48,10 +48,13 @@ class CPTTrainer(Trainer):
         self._log_data_counters()
 
     def _log_data_counters(self) -> None:
+        """Data counters (summed over ranks) and the LR of every parameter group, at each log step."""
         if not self.metrics_processor.should_log(self.step):
             return
-        counters = gather_counters(self.dataloader)
-        self.metrics_processor.logger.log({f"data/{k}": v for k, v in counters.items()}, self.step)
+        metrics = {f"data/{k}": v for k, v in gather_counters(self.dataloader).items()}
+        for group in self.optimizers.optimizers[0].param_groups:
+            metrics[f"lr/{group['name']}"] = group["lr"]
+        self.metrics_processor.logger.log(metrics, self.step)
 
     def _log_routing_stats(self) -> None:
         mhar = self.job_config.mhar

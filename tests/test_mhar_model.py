@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import REPO
-from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.config import Optimizer as OptimizerConfig
 from torchtitan.models.llama3.model.model import Transformer
 
 import mhar_titan.model as model_mod
 from mhar_titan.config import MHAR
+from mhar_titan.lr_schedule import build_lr_schedulers
 from mhar_titan.model import MHARTransformer
 from mhar_titan.optimizer import build_optimizers
 from mhar_titan.train_spec import FLAVORS
@@ -166,19 +166,20 @@ def test_routing_parameters_have_no_weight_decay_and_the_lr_multiplier():
     cfg = OptimizerConfig(lr=4e-4, weight_decay=0.05, implementation="foreach")
     optimizers = build_optimizers([model], cfg, parallel_dims=None)
     (opt,) = optimizers.optimizers
-    base, routing = opt.param_groups
+    groups = {g["name"]: g for g in opt.param_groups}
     routing_params = {id(p) for n, p in model.named_parameters() if "_routing." in n}
-    assert {id(p) for p in routing["params"]} == routing_params and len(routing_params) == 4 * 2 * 4
-    assert routing_params.isdisjoint(id(p) for p in base["params"])
-    assert len(base["params"]) + len(routing["params"]) == len(list(model.parameters()))
-    assert (base["weight_decay"], routing["weight_decay"]) == (0.05, 0.0)
+    assert {id(p) for p in groups["routing"]["params"]} == routing_params and len(routing_params) == 4 * 2 * 4
+    assert sum(len(g["params"]) for g in groups.values()) == len(list(model.parameters()))
+    assert (groups["decay"]["weight_decay"], groups["no_decay"]["weight_decay"]) == (0.05, 0.0)
+    assert groups["routing"]["weight_decay"] == 0.0
 
     sched_cfg = parse_config(["--job.config_file", str(REPO / "configs/tiny_cpu_mhar.toml")]).lr_scheduler
     schedulers = build_lr_schedulers(optimizers, sched_cfg, 100)
     for _ in range(7):
         optimizers.step()
         schedulers.step()
-        assert routing["lr"] == pytest.approx(2.5 * base["lr"], rel=1e-12) and base["lr"] > 0
+        assert groups["routing"]["lr"] == pytest.approx(2.5 * groups["decay"]["lr"], rel=1e-12)
+        assert groups["no_decay"]["lr"] == groups["decay"]["lr"] > 0
 
 
 def test_routing_stats_at_init_are_uniform_routing():

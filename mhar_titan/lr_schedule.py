@@ -1,0 +1,65 @@
+"""The learning-rate schedule: linear re-warmup from exactly 0, an optional plateau, then decay.
+
+The factor is a function of the optimizer step alone (`lr_scheduler.total_steps` fixes where
+the decay ends, `training.steps` only if it is unset), so a resumed or extended job continues
+the same curve. torchtitan's own warmup starts at lr / warmup_steps instead of 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from torchtitan.components.lr_scheduler import LRSchedulersContainer
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.config import LRScheduler as LRSchedulerConfig
+from torchtitan.tools.logging import logger
+
+
+def lr_factor(
+    step: int, *, warmup_steps: int, decay_start: int, decay_end: int, decay_type: str, min_lr_factor: float
+) -> float:
+    """Multiplier of the peak LR for the update that follows `step` updates (0 for the first)."""
+    if step < warmup_steps:
+        return step / warmup_steps
+    if step < decay_start:
+        return 1.0
+    if step >= decay_end:
+        return min_lr_factor
+    progress = (step - decay_start) / (decay_end - decay_start)
+    if decay_type == "linear":
+        shape = 1.0 - progress
+    elif decay_type == "sqrt":
+        shape = 1.0 - math.sqrt(progress)
+    elif decay_type == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"[lr_scheduler] decay_type = {decay_type!r}: expected linear, sqrt (1-sqrt) or cosine")
+    return min_lr_factor + (1.0 - min_lr_factor) * shape
+
+
+def build_lr_schedulers(
+    optimizers: OptimizersContainer, lr_config: LRSchedulerConfig, training_steps: int
+) -> LRSchedulersContainer:
+    """The `TrainSpec` LR builder: warmup_steps, total_steps (the decay end), decay_ratio, decay_type,
+    min_lr_factor of `[lr_scheduler]`."""
+    decay_end = lr_config.total_steps if lr_config.total_steps is not None else training_steps
+    warmup = lr_config.warmup_steps
+    if warmup < 0:
+        raise ValueError(f"[lr_scheduler] warmup_steps = {warmup} must be >= 0")
+    if warmup > decay_end:
+        logger.warning(f"[lr_scheduler] warmup_steps = {warmup} exceeds the decay end {decay_end}; using {decay_end}")
+        warmup = decay_end
+    decay_steps = decay_end - warmup
+    if lr_config.decay_ratio is not None:
+        decay_steps = min(decay_steps, round(decay_end * lr_config.decay_ratio))
+    factor = functools.partial(
+        lr_factor,
+        warmup_steps=warmup,
+        decay_start=decay_end - decay_steps,
+        decay_end=decay_end,
+        decay_type=lr_config.decay_type,
+        min_lr_factor=lr_config.min_lr_factor,
+    )
+    factor(0)  # fail at start-up on a bad decay_type
+    return LRSchedulersContainer(optimizers, factor)

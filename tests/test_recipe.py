@@ -1,0 +1,85 @@
+"""The recipe's LR schedule and weight-decay split."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torchtitan.config import LRScheduler
+from torchtitan.config import Optimizer as OptimizerConfig
+
+from mhar_titan.config import MHAR
+from mhar_titan.lr_schedule import build_lr_schedulers
+from mhar_titan.model import MHARTransformer
+from mhar_titan.optimizer import build_optimizers, decay_split
+from mhar_titan.train_spec import FLAVORS
+
+PEAK, WARMUP, END, MIN = 4e-4, 10, 50, 0.01
+
+
+def closed_form(step, decay_type="linear"):
+    if step < WARMUP:
+        return PEAK * step / WARMUP
+    p = min(1.0, (step - WARMUP) / (END - WARMUP))
+    shape = {"linear": 1 - p, "sqrt": 1 - math.sqrt(p), "cosine": 0.5 * (1 + math.cos(math.pi * p))}[decay_type]
+    return PEAK * (MIN + (1 - MIN) * shape)
+
+
+def optimizer_and_schedule(decay_type, training_steps):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = build_optimizers([model], OptimizerConfig(lr=PEAK, implementation="for-loop"), parallel_dims=None)
+    cfg = LRScheduler(warmup_steps=WARMUP, total_steps=END, decay_type=decay_type, min_lr_factor=MIN)
+    return opt, build_lr_schedulers(opt, cfg, training_steps)
+
+
+@pytest.mark.parametrize("decay_type", ["linear", "sqrt", "cosine"])
+def test_lr_is_the_closed_form_and_resumes_exactly(decay_type):
+    opt, sched = optimizer_and_schedule(decay_type, training_steps=20)  # a job shorter than the schedule
+    lrs = []
+    for _ in range(END + 5):
+        lrs.append(opt.optimizers[0].param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == 0.0  # re-warmup from exactly 0
+    for step in (0, WARMUP // 2, WARMUP, (WARMUP + END) // 2, END, END + 4):
+        assert lrs[step] == pytest.approx(closed_form(step, decay_type), rel=1e-12, abs=1e-18), step
+
+    cut = 23
+    first, first_sched = optimizer_and_schedule(decay_type, training_steps=cut)
+    for _ in range(cut):
+        first.step()
+        first_sched.step()
+    # what a checkpoint restores: the optimizer (its groups' LR included) and the scheduler's step
+    opt_state, sched_state = copy.deepcopy(first.state_dict()), copy.deepcopy(first_sched.state_dict())
+    resumed, resumed_sched = optimizer_and_schedule(decay_type, training_steps=END + 5)  # an extended job
+    resumed.load_state_dict(opt_state)
+    resumed_sched.load_state_dict(sched_state)
+    for step in range(cut, END + 5):
+        assert resumed.optimizers[0].param_groups[0]["lr"] == lrs[step], step
+        resumed.step()
+        resumed_sched.step()
+
+
+def test_weight_decay_split_on_the_8b_model():
+    args = copy.deepcopy(FLAVORS["marin8b"])
+    args.mhar = MHAR(enable=True)
+    with torch.device("meta"):
+        model = MHARTransformer(args)
+    split = decay_split(model)
+    counts = {k: len(v) for k, v in split.items()}
+    print("weight-decay split of the 8B MHAR model (tensors):", counts)
+    no_decay = {n for n, _ in split["no_decay"]}
+    assert no_decay == {"tok_embeddings.weight", "norm.weight"} | {
+        f"layers.{i}.{norm}.weight" for i in range(32) for norm in ("attention_norm", "ffn_norm")
+    }
+    assert {n for n, _ in split["routing"]} == {
+        f"layers.{i}.{site}_routing.{p}"
+        for i in range(32)
+        for site in ("attn", "ffn")
+        for p in ("query", "norm_weight", "null", "gate")
+    }
+    assert all(n.endswith(".weight") and "norm" not in n and "tok_embeddings" not in n for n, _ in split["decay"])
+    assert counts == {"decay": 32 * 7 + 1, "no_decay": 2 + 64, "routing": 256}
+    assert "output.weight" in {n for n, _ in decay_split(model)["decay"]}
+    assert "output.weight" in {n for n, _ in decay_split(model, decay_output=False)["no_decay"]}
