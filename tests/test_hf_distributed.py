@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO, torchrun
 from safetensors.torch import load_file
+from test_hf import hf_config
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from data.loader import ParquetDataLoader, data_config
 from data.shards import list_shards
@@ -26,26 +27,7 @@ SEQ, BATCH = 64, 2
 def base(tmp_path_factory):
     """A random tiny Llama-3.1 over the demo tokenizer, sharded safetensors."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=2048,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=256,
-        rope_theta=500000.0,
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-        eos_token_id=1,
-        bos_token_id=0,
-    )
+    config = hf_config(vocab_size=2048, bos_token_id=0)  # the demo tokenizer's vocabulary
     path = tmp_path_factory.mktemp("hf") / "base"
     LlamaForCausalLM(config).save_pretrained(path, max_shard_size="60KB")
     for name in ("tokenizer.json", "tokenizer_config.json"):
