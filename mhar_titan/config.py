@@ -58,7 +58,16 @@ class Optimizer:
 
 
 @dataclass
+class Loss:
+    """`[loss]`: the training objective."""
+
+    z_loss: float = 1e-4
+    """Coefficient of the z-loss, mean over valid tokens of logsumexp(logits)^2 (0: plain CE)."""
+
+
+@dataclass
 class JobConfig:
     mhar: MHAR = field(default_factory=MHAR)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: Optimizer = field(default_factory=Optimizer)
+    loss: Loss = field(default_factory=Loss)

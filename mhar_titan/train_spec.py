@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 
-from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.components.validate import build_validator
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
@@ -16,6 +15,7 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 
 from data.loader import build_parquet_dataloader
 from mhar_titan.hf import MHARStateDictAdapter
+from mhar_titan.loss import build_loss_fn
 from mhar_titan.lr_schedule import build_lr_schedulers
 from mhar_titan.model import HF_FLAVOR, MHARModelArgs, MHARTransformer
 from mhar_titan.optimizer import build_optimizers
@@ -73,7 +73,7 @@ def build_train_spec() -> TrainSpec:
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_parquet_dataloader,
         build_tokenizer_fn=build_hf_tokenizer,
-        build_loss_fn=build_cross_entropy_loss,
+        build_loss_fn=build_loss_fn,
         build_validator_fn=build_validator,
         state_dict_adapter=MHARStateDictAdapter,
     )

@@ -48,10 +48,17 @@ class CPTTrainer(Trainer):
         self._log_data_counters()
 
     def _log_data_counters(self) -> None:
-        """Data counters (summed over ranks) and the LR of every parameter group, at each log step."""
+        """Data counters (summed over ranks), the loss parts and every group's LR, at each log step."""
         if not self.metrics_processor.should_log(self.step):
+            self.loss_fn.take_parts()  # parts are per step
             return
         metrics = {f"data/{k}": v for k, v in gather_counters(self.dataloader).items()}
+        parts = self.loss_fn.take_parts()
+        if parts is not None:  # CE and z-loss of this step, per valid token over all ranks
+            if self.parallel_dims.dp_enabled:
+                torch.distributed.all_reduce(parts, group=self.parallel_dims.get_mesh("batch").get_group())
+            ce, z, tokens = parts.tolist()
+            metrics.update({"train/ce": ce / tokens, "train/z_loss": z / tokens, "train/loss": (ce + z) / tokens})
         for group in self.optimizers.optimizers[0].param_groups:
             metrics[f"lr/{group['name']}"] = group["lr"]
         self.metrics_processor.logger.log(metrics, self.step)

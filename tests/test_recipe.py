@@ -83,3 +83,28 @@ def test_weight_decay_split_on_the_8b_model():
     assert counts == {"decay": 32 * 7 + 1, "no_decay": 2 + 64, "routing": 256}
     assert "output.weight" in {n for n, _ in decay_split(model)["decay"]}
     assert "output.weight" in {n for n, _ in decay_split(model, decay_output=False)["no_decay"]}
+
+
+def test_z_loss_is_the_coefficient_times_mean_squared_logsumexp():
+    from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_loss
+
+    from mhar_titan.loss import ZLossCrossEntropy
+
+    logits = torch.randn(3, 7, 50) * 4
+    labels = torch.randint(0, 50, (3, 7))
+    labels[0, :2] = IGNORE_INDEX
+    valid = labels != IGNORE_INDEX
+    lse = torch.log(torch.exp(logits.double()).sum(-1))  # written out, in float64
+    want_z = 1e-4 * (lse[valid] ** 2).sum()
+    want_ce = torch.nn.functional.cross_entropy(
+        logits.double().flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+    )
+
+    loss_fn = ZLossCrossEntropy(1e-4)
+    total = loss_fn(logits, labels)
+    ce, z, tokens = loss_fn.take_parts().tolist()
+    assert tokens == valid.sum().item()
+    assert z / tokens == pytest.approx((want_z / valid.sum()).item(), rel=1e-5)
+    assert ce == pytest.approx(want_ce.item(), rel=1e-5) and total.item() == pytest.approx(ce + z, rel=1e-6)
+    assert loss_fn.take_parts() is None  # parts are taken once per step
+    assert torch.equal(ZLossCrossEntropy(0.0)(logits, labels), cross_entropy_loss(logits, labels))

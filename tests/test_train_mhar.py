@@ -24,6 +24,11 @@ def test_mhar_tiny_trains_moves_its_gates_and_logs_routing_stats(tmp_path):
             total = values["w_null"][step] + values["w_embed"][step] + values["w_deltas"][step]
             assert total == pytest.approx(1.0, abs=1e-5), (site, step)
     assert read_scalars(run, "mhar/gate/mean")[10] != 0
+    ce, z, total = (read_scalars(run, f"train/{k}") for k in ("ce", "z_loss", "loss"))
+    for step in range(1, 11):  # the logged loss is CE + z-loss, both per valid token over both ranks
+        assert 0 < z[step] < 1e-2 * ce[step]
+        assert total[step] == pytest.approx(ce[step] + z[step], rel=1e-5)
+        assert total[step] == pytest.approx(losses[step], rel=1e-5)
     docs = read_scalars(run, "data/docs")  # the loader's counters, summed over ranks
     assert list(docs) == list(range(1, 11)) and docs[10] > docs[1] > 0
     assert sum(read_scalars(run, tag)[10] for tag in _source_tags(run)) > 0
