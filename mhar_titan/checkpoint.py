@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torchtitan.components.checkpoint import MODEL, CheckpointManager
+from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
 from mhar_titan.hf import _OUR_ROUTING, build_ledger
@@ -22,6 +22,23 @@ LEDGER_FILE = "load_ledger.json"
 
 
 class CPTCheckpointManager(CheckpointManager):
+    def save_now(self, step: int) -> None:
+        """A full, resumable checkpoint at `step` whatever the interval (preemption, a stop on bad steps)."""
+        if not self.enable or self.load_only:
+            logger.warning(f"step {step}: checkpointing is off, nothing saved")
+            return
+        self._async_wait()
+        if os.path.isfile(os.path.join(self._create_checkpoint_id(step), ".metadata")):
+            return  # the interval save of this step already wrote it
+        logger.info(f"Saving a full checkpoint at step {step} now")
+        self.dcp_save(
+            self._flattened_model_states_sd(),
+            checkpoint_id=self._create_checkpoint_id(step),
+            async_mode=AsyncMode.DISABLED,
+            enable_garbage_collection=True,
+        )
+        self._purge_stale_checkpoints()
+
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         if not from_hf:
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)

@@ -66,8 +66,27 @@ class Loss:
 
 
 @dataclass
+class EMA:
+    """`[ema]`: an fp32 weight EMA, sharded like the parameters, checkpointed, validated and exportable."""
+
+    enable: bool = True
+    beta: float = 0.999
+    """ema <- beta * ema + (1 - beta) * weights after every applied optimizer step."""
+
+
+@dataclass
+class Training:
+    """Additions to torchtitan's `[training]`."""
+
+    max_bad_steps: int = 5
+    """Steps with a non-finite loss or gradient norm are skipped; this many in a row stop the run."""
+
+
+@dataclass
 class JobConfig:
     mhar: MHAR = field(default_factory=MHAR)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: Optimizer = field(default_factory=Optimizer)
     loss: Loss = field(default_factory=Loss)
+    ema: EMA = field(default_factory=EMA)
+    training: Training = field(default_factory=Training)

@@ -457,20 +457,29 @@ def checkpoint_step_dir(run_dir: str, step: int | None = None) -> str:
 
 
 def load_run_checkpoint(run_dir: str, step: int | None = None, *, ema: bool = False) -> MHARTransformer:
-    """A run's weights at `step` (fp32, CPU, one process), read from its distributed checkpoint."""
+    """A run's weights at `step` (fp32, CPU, one process), read from its distributed checkpoint.
+
+    With `ema`, the trainable parameters are the checkpoint's weight EMA instead.
+    """
     import torch.distributed.checkpoint as dcp
 
     args, _ = run_model_args(run_dir)
     step_dir = checkpoint_step_dir(run_dir, step)
-    if ema:
-        raise ValueError(f"{step_dir}: this run keeps no EMA weights (the weight EMA comes with the recipe)")
     with torch.device("meta"):
         model = MHARTransformer(args)
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()
     state = model.state_dict()
-    dcp.load(state, checkpoint_id=step_dir)
+    if ema:
+        keys = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+        if not any(k.startswith("ema.") for k in keys):
+            raise ValueError(f"{step_dir}: this checkpoint holds no weight EMA ([ema] enable was off, or model only)")
+        trainable = {n: state[n] for n, p in model.named_parameters() if p.requires_grad}
+        dcp.load({"ema": trainable}, checkpoint_id=step_dir, no_dist=True)
+        state.update(trainable)
+    else:
+        dcp.load(state, checkpoint_id=step_dir, no_dist=True)
     model.load_state_dict(state)
     return model
 

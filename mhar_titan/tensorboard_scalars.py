@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-LOSS_TAG = "loss_metrics/global_avg_loss"
+LOSS_TAG = "train/loss"
 
 
 def event_files(run_dir: str | Path) -> list[Path]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 
 from torchtitan.components.tokenizer import build_hf_tokenizer
-from torchtitan.components.validate import build_validator
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
@@ -20,6 +19,7 @@ from mhar_titan.lr_schedule import build_lr_schedulers
 from mhar_titan.model import HF_FLAVOR, MHARModelArgs, MHARTransformer
 from mhar_titan.optimizer import build_optimizers
 from mhar_titan.parallelize import parallelize
+from mhar_titan.validate import build_fixed_set_validator
 
 MODEL_NAME = "llama3_mhar"
 
@@ -74,7 +74,7 @@ def build_train_spec() -> TrainSpec:
         build_dataloader_fn=build_parquet_dataloader,
         build_tokenizer_fn=build_hf_tokenizer,
         build_loss_fn=build_loss_fn,
-        build_validator_fn=build_validator,
+        build_validator_fn=build_fixed_set_validator,
         state_dict_adapter=MHARStateDictAdapter,
     )
 

@@ -5,31 +5,50 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torchtitan.train as titan_train
+from torch.distributed.elastic.multiprocessing.errors import record
+from torchtitan.components.dataloader import DataloaderExhaustedError
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import ConfigManager, JobConfig
+from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.train import Trainer
 
 from data.loader import gather_counters
 from mhar_titan import cpu
 from mhar_titan.checkpoint import CPTCheckpointManager
+from mhar_titan.ema import WeightEMA
 from mhar_titan.routing_stats import gather_routing_stats
+from mhar_titan.step_metrics import StepClock, throughput
 from mhar_titan.train_spec import MODEL_NAME, train_spec
 
 CONFIG_MODULE = "mhar_titan.config"
 MODEL_ARGS_FILE = "model_args.json"
+EMA_STATE = "ema"
 _CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-module")
 
 
 class CPTTrainer(Trainer):
-    """torchtitan's Trainer, plus routing statistics; the recipe's EMA state hooks in here too."""
+    """torchtitan's Trainer with the recipe's state and checks: weight EMA, fixed-set validation of the
+    raw and EMA weights, skipped non-finite steps, and per-step metrics (loss parts, LR of every
+    group, data counters, routing statistics) with a readable log line."""
 
     def __init__(self, job_config: JobConfig):
         # torchtitan's Trainer builds its checkpointer from this module global.
         titan_train.CheckpointManager = CPTCheckpointManager
         super().__init__(job_config)
+        self.ema = WeightEMA(self.model_parts[0], job_config.ema.beta) if job_config.ema.enable else None
+        if self.ema is not None:
+            self.checkpointer.states[EMA_STATE] = self.ema
+        self.bad_steps_in_a_row = 0
+        self.skipped_steps = 0
+        self.clock = StepClock()
         self._write_model_args()
 
     def _write_model_args(self) -> None:
@@ -42,26 +61,171 @@ class CPTTrainer(Trainer):
         with open(path, "w") as f:
             json.dump(info, f, indent=2)
 
-    def train_step(self, data_iterator) -> None:
-        super().train_step(data_iterator)
-        self._log_routing_stats()
-        self._log_data_counters()
+    # -- the loop -----------------------------------------------------------------------------
 
-    def _log_data_counters(self) -> None:
-        """Data counters (summed over ranks), the loss parts and every group's LR, at each log step."""
-        if not self.metrics_processor.should_log(self.step):
-            self.loss_fn.take_parts()  # parts are per step
+    @record
+    def train(self) -> None:
+        cfg = self.job_config
+        self.checkpointer.load(step=cfg.checkpoint.load_step)
+        if self.ema is not None:
+            self.ema.start()  # after the load: a restored EMA stays, otherwise it starts from the loaded weights
+        logger.info(f"Training starts at step {self.step + 1}")
+        self.clock.start(self.step, cfg.training.steps)
+        where = {"global_step": self.step, "base_folder": cfg.job.dump_folder}
+        with (
+            maybe_enable_profiling(cfg.profiling, **where) as profiler,
+            maybe_enable_memory_snapshot(cfg.profiling, **where) as memory,
+        ):
+            data_iterator = self.batch_generator(self.dataloader)
+            first = True
+            while self.should_continue_training():
+                self.step += 1
+                self.gc_handler.run(self.step)
+                try:
+                    self.train_step(data_iterator)
+                except DataloaderExhaustedError:
+                    logger.warning("Ran out of data; last step was canceled.")
+                    break
+                self.checkpointer.save(self.step, last_step=(self.step == cfg.training.steps))
+                if cfg.validation.enable and self.validator.should_validate(self.step):
+                    self.validate()
+                if self.bad_steps_in_a_row >= cfg.training.max_bad_steps:
+                    self.checkpointer.save_now(self.step)
+                    raise RuntimeError(
+                        f"step {self.step}: {self.bad_steps_in_a_row} non-finite steps in a row "
+                        f"(training.max_bad_steps = {cfg.training.max_bad_steps}); stopped with a checkpoint "
+                        "of the last good weights, optimizer and EMA (the data order has moved past the bad batches)"
+                    )
+                if profiler:
+                    profiler.step()
+                if memory:
+                    memory.step()
+                if first:  # compile and lazy init are done: shorter timeouts for a faster signal
+                    dist_utils.set_pg_timeouts(
+                        timeout=timedelta(seconds=cfg.comm.train_timeout_seconds), parallel_dims=self.parallel_dims
+                    )
+                    first = False
+        logger.info("Training completed")
+
+    def train_step(self, data_iterator) -> None:
+        self.optimizers.zero_grad()
+        batch_from = self.dataloader.batches
+        microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
+        local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches).to(self.device)
+        dp = self.parallel_dims.dp_enabled
+        global_tokens = dist_utils.dist_sum(local_tokens, self._batch_mesh()) if dp else local_tokens.float()
+        losses = []
+        for input_dict, labels in microbatches:
+            input_dict = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()}
+            loss = self.forward_backward_step(
+                input_dict=input_dict, labels=labels.to(self.device), global_valid_tokens=global_tokens
+            )
+            losses.append(loss.detach())
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for m in self.model_parts for p in m.parameters()],
+            self.job_config.training.max_norm,
+            foreach=True,
+            pp_mesh=None,
+            ep_enabled=self.parallel_dims.ep_enabled,
+        )
+        loss = torch.stack(losses).sum()  # this rank's share of the global mean
+        if self._all_finite(loss, grad_norm):
+            self.checkpointer.maybe_wait_for_staging()
+            self.optimizers.step()
+            if self.ema is not None:
+                self.ema.update()
+            self.bad_steps_in_a_row = 0
+        else:
+            self.optimizers.zero_grad()
+            self._report_bad_step(loss, grad_norm, batch_from)
+        self.lr_schedulers.step()  # the schedule follows the step count, applied or not
+        self._log_step(loss, grad_norm, local_tokens, global_tokens)
+        self._log_routing_stats()
+
+    def _batch_mesh(self):
+        return self.parallel_dims.get_mesh("batch")
+
+    def _all_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """Whether every rank's loss and the global gradient norm are finite (one scalar all-reduce)."""
+        bad = (~torch.isfinite(loss) | ~torch.isfinite(grad_norm)).float()
+        if self.parallel_dims.dp_enabled:
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX, group=self._batch_mesh().get_group())
+        return not bool(bad.item())
+
+    def _report_bad_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, batch_from: int) -> None:
+        self.bad_steps_in_a_row += 1
+        self.skipped_steps += 1
+        where = {"loss": loss.item(), "batches": (batch_from, self.dataloader.batches)}
+        everyone = [where]
+        if self.parallel_dims.dp_enabled:
+            everyone = [None] * self._batch_mesh().size()
+            torch.distributed.all_gather_object(everyone, where, group=self._batch_mesh().get_group())
+        ranks = "; ".join(
+            f"rank {r}: loss share {w['loss']:.4g}, loader batches {w['batches'][0]}..{w['batches'][1] - 1}"
+            for r, w in enumerate(everyone)
+        )
+        logger.warning(
+            f"step {self.step}: non-finite loss or gradient (grad norm {float(grad_norm):.4g}); step skipped "
+            f"({self.bad_steps_in_a_row} in a row, {self.skipped_steps} in all). {ranks}"
+        )
+
+    # -- metrics ------------------------------------------------------------------------------
+
+    def _log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, local_tokens, global_tokens) -> None:
+        """TensorBoard scalars and one readable line, at every log step; the loss parts reset every step."""
+        parts = self.loss_fn.take_parts()
+        self.clock.tick(self.step)
+        mp = self.metrics_processor
+        if not mp.should_log(self.step):
             return
         metrics = {f"data/{k}": v for k, v in gather_counters(self.dataloader).items()}
-        parts = self.loss_fn.take_parts()
+        loss_max = loss * global_tokens / local_tokens  # this rank's own mean
+        seen = torch.tensor(float(self.ntokens_seen), dtype=torch.float64, device=loss.device)
+        stats = torch.stack([loss.double(), loss_max.double(), seen])
+        if self.parallel_dims.dp_enabled:
+            group = self._batch_mesh().get_group()
+            total = stats.clone()
+            torch.distributed.all_reduce(total, group=group)
+            peak = stats.clone()
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX, group=group)
+            stats = torch.stack([total[0], peak[1], total[2]])
+            if parts is not None:
+                torch.distributed.all_reduce(parts, group=group)
+        loss_v, loss_max_v, tokens_seen = stats.tolist()
+        metrics.update(
+            {
+                "train/loss": loss_v,
+                "train/loss_max": loss_max_v,
+                "grad_norm": float(grad_norm),
+                "tokens_seen": tokens_seen,
+                "train/skipped_steps": self.skipped_steps,
+            }
+        )
         if parts is not None:  # CE and z-loss of this step, per valid token over all ranks
-            if self.parallel_dims.dp_enabled:
-                torch.distributed.all_reduce(parts, group=self.parallel_dims.get_mesh("batch").get_group())
             ce, z, tokens = parts.tolist()
-            metrics.update({"train/ce": ce / tokens, "train/z_loss": z / tokens, "train/loss": (ce + z) / tokens})
-        for group in self.optimizers.optimizers[0].param_groups:
-            metrics[f"lr/{group['name']}"] = group["lr"]
+            metrics.update({"train/ce": ce / tokens, "train/z_loss": z / tokens})
+        groups = self.optimizers.optimizers[0].param_groups
+        metrics.update({f"lr/{g['name']}": g["lr"] for g in groups})
+        metrics.update(throughput(mp))
+        mp.logger.log(metrics, self.step)
+        logger.info(
+            f"step {self.step}/{self.job_config.training.steps}  loss {loss_v:.4f}"
+            + (f" (ce {metrics['train/ce']:.4f})" if parts is not None else "")
+            + f"  lr {groups[0]['lr']:.2e}  grad_norm {float(grad_norm):.3f}  {metrics['tokens_per_s']:,.0f} tok/s/dev"
+            f"  mfu {metrics['mfu']:.1f}%  mem {metrics['memory/peak_reserved_gib']:.1f} GiB  eta {self.clock.eta()}"
+        )
+
+    def validate(self) -> None:
+        began = time.perf_counter()
+        metrics = {"val/ce": self.validator.validate(self.model_parts, self.step)}
+        if self.ema is not None:
+            with self.ema.swapped_in():
+                metrics["val/ce_ema"] = self.validator.validate(self.model_parts, self.step)
         self.metrics_processor.logger.log(metrics, self.step)
+        spent = time.perf_counter() - began
+        self.metrics_processor.time_last_log += spent  # keep validation out of the training throughput
+        self.clock.pause(spent)
+        logger.info(f"validation at step {self.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
     def _log_routing_stats(self) -> None:
         mhar = self.job_config.mhar
@@ -72,6 +236,15 @@ class CPTTrainer(Trainer):
             return
         mesh = self.parallel_dims.get_optional_mesh("batch") if self.parallel_dims.dp_enabled else None
         self.metrics_processor.logger.log(gather_routing_stats(model.routing_stats, mesh), self.step)
+
+    # -- checkpointed trainer state -------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
 
 def parse_config(argv: list[str]) -> JobConfig:
@@ -84,7 +257,7 @@ def parse_config(argv: list[str]) -> JobConfig:
     return config
 
 
-def run(argv: list[str]) -> None:
+def run(argv: list[str], trainer_cls: type[CPTTrainer] = CPTTrainer) -> None:
     """Parse, train, and tear down, as torchtitan.train.main does for its Trainer."""
     init_logger()
     config = parse_config(argv)
@@ -92,12 +265,14 @@ def run(argv: list[str]) -> None:
         cpu.activate([train_spec()])
     trainer: CPTTrainer | None = None
     try:
-        trainer = CPTTrainer(config)
+        trainer = trainer_cls(config)
         if config.checkpoint.create_seed_checkpoint:
             if torch.distributed.get_world_size() != 1:
                 raise ValueError("checkpoint.create_seed_checkpoint needs a single process")
             if not config.checkpoint.enable:
                 raise ValueError("checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
+            if trainer.ema is not None:
+                trainer.ema.start()
             trainer.checkpointer.save(curr_step=0, last_step=True)
             logger.info("Created seed checkpoint")
         else:

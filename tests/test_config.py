@@ -35,6 +35,8 @@ def test_marin8b_control_config_holds_the_recipe():
     assert cfg.parallelism.data_parallel_shard_degree == -1
     assert cfg.checkpoint.initial_load_in_hf and cfg.model.flavor == "hf"
     assert cfg.checkpoint.initial_load_path is None  # the base path is set once, in model.hf_assets_path
+    assert (cfg.ema.enable, cfg.ema.beta, cfg.loss.z_loss) == (True, 0.999, 1e-4)
+    assert cfg.validation.enable and cfg.validation.seq_len == 4096
 
 
 def test_other_model_names_are_refused_by_name():

@@ -73,26 +73,25 @@ def test_distributed_hf_load_ledger_loss_and_export(base, tmp_path, arm):
     loss = read_scalars(run)[1]
     assert loss == pytest.approx(first_step_loss(base), rel=1e-5)
 
-    # lr 0: the step leaves every weight as loaded, so the export must give back the base exactly
-    out = tmp_path / "export"
-    subprocess.run(
-        [sys.executable, "-m", "mhar_titan.hf", "export", str(run), str(out), "--dtype", "fp32"],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-    )
-    want, got = {}, {}
+    # lr 0: the step leaves every weight as loaded, so the export must give back the base exactly;
+    # so must the EMA's, which starts from the weights loaded from HF (not from the random init).
+    want = {}
     for shard in base.glob("*.safetensors"):
         want.update(load_file(shard))
-    for shard in out.glob("*.safetensors"):
-        got.update(load_file(shard))
-    routing = {k for k in got if ".mhar." in k}
-    assert len(routing) == (0 if arm == "control" else 4 * 2 * 4)
-    assert set(got) - routing == set(want)
-    for key, value in want.items():
-        assert torch.equal(got[key], value), key
-    for key in routing:
-        assert torch.equal(
-            got[key], torch.ones_like(got[key]) if key.endswith("norm_weight") else torch.zeros_like(got[key])
-        )
+    for which in ("raw", "ema"):
+        out = tmp_path / f"export-{which}"
+        cmd = [sys.executable, "-m", "mhar_titan.hf", "export", str(run), str(out), "--dtype", "fp32"]
+        subprocess.run(cmd + (["--ema"] if which == "ema" else []), cwd=REPO, check=True, capture_output=True)
+        got = {}
+        for shard in out.glob("*.safetensors"):
+            got.update(load_file(shard))
+        routing = {k for k in got if ".mhar." in k}
+        assert len(routing) == (0 if arm == "control" else 4 * 2 * 4)
+        assert set(got) - routing == set(want)
+        for key, value in want.items():
+            assert torch.equal(got[key], value), (which, key)
+        for key in routing:
+            assert torch.equal(
+                got[key], torch.ones_like(got[key]) if key.endswith("norm_weight") else torch.zeros_like(got[key])
+            )
     assert (out / "tokenizer.json").exists()

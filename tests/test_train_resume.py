@@ -1,34 +1,49 @@
 """2-rank FSDP2 training through train_cpt.py on CPU, checkpoint, and exact resume."""
 
+import torch
 from conftest import torchrun
 
+from mhar_titan.hf import load_run_checkpoint
 from mhar_titan.tensorboard_scalars import LOSS_TAG, read_scalars
 
 # A short schedule whose LR does not depend on how many steps each job runs.
 SCHEDULE = ("--lr_scheduler.total_steps", "8", "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "4")
+VALIDATE = ("--validation.freq", "2", "--validation.steps", "2", "--ema.beta", "0.8")
 GRAD_NORM_TAG = "grad_norm"
 
 
 def test_resume_reproduces_uninterrupted_run(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
 
-    proc = torchrun(straight, "--training.steps", "8", *SCHEDULE)
+    # Validates the raw and the EMA weights at steps 2, 4, 6, 8.
+    proc = torchrun(straight, "--training.steps", "8", *SCHEDULE, *VALIDATE)
     log = proc.stdout + proc.stderr
     assert "Applied FSDP to the model" in log
     assert "training on CPU" in log and "with gloo" in log
 
-    # A job that stops after step 4 (time limit, preemption) and a second job that resumes it.
-    torchrun(resumed, "--training.steps", "4", *SCHEDULE)
+    # A job that stops after step 4 (time limit, preemption), without validation, and a second
+    # job that resumes it: evaluating (and swapping the EMA in and out) must not touch training.
+    torchrun(resumed, "--training.steps", "4", *SCHEDULE, *VALIDATE, "--validation.no-enable")
     assert (resumed / "checkpoint" / "step-4").is_dir()
-    proc = torchrun(resumed, "--training.steps", "8", *SCHEDULE)
+    proc = torchrun(resumed, "--training.steps", "8", *SCHEDULE, *VALIDATE)
     log = proc.stdout + proc.stderr
     assert "Training starts at step 5" in log
 
-    for tag in (LOSS_TAG, GRAD_NORM_TAG):
+    for tag in (LOSS_TAG, GRAD_NORM_TAG, "train/ce", "train/z_loss", "lr/decay", "tokens_seen"):
         want = read_scalars(straight, tag)
         got = read_scalars(resumed, tag)
         assert list(want) == list(range(1, 9)), tag
         assert got == want, f"{tag}: resumed {got} != uninterrupted {want}"
+    for tag in ("val/ce", "val/ce_ema"):  # the same fixed set, the same weights: the same values
+        want, got = read_scalars(straight, tag), read_scalars(resumed, tag)
+        assert list(want) == [2, 4, 6, 8] and list(got) == [6, 8], tag
+        assert got == {s: want[s] for s in (6, 8)}, tag
+    val, val_ema = read_scalars(straight, "val/ce"), read_scalars(straight, "val/ce_ema")
+    assert val_ema[8] != val[8]  # beta 0.8 over 8 steps: the EMA lags the weights
+    for ema in (False, True):
+        want = load_run_checkpoint(str(straight), 8, ema=ema).state_dict()
+        got = load_run_checkpoint(str(resumed), 8, ema=ema).state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want), f"ema={ema}: weights differ after resume"
 
     losses = read_scalars(straight)
     assert min(losses.values()) < losses[1] - 1.0, losses

@@ -1,0 +1,106 @@
+"""Weight EMA held as fp32 shards beside the FSDP2 parameter shards.
+
+Each rank updates only its own shard after the optimizer step (no all-gather); the
+EMA checkpoints as DTensors under the parameters' plain names (activation-checkpoint
+and compile wrappers stripped), so it reshards on load like the model does. It starts
+from the weights actually loaded: if a checkpoint restores it, that copy; otherwise
+the parameters at the first step, after the HF or checkpoint load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name without activation-checkpoint or torch.compile wrapper segments."""
+    for wrapper in _WRAPPERS:
+        name = name.replace(wrapper, "")
+    return name
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class WeightEMA(Stateful):
+    """ema <- beta * ema + (1 - beta) * param, in fp32, after every applied optimizer step."""
+
+    def __init__(self, model: nn.Module, beta: float):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"[ema] beta = {beta} must be in [0, 1)")
+        self.beta, self.model = beta, model
+        self.params = {plain_name(n): p for n, p in model.named_parameters() if p.requires_grad}
+        with torch.no_grad():
+            self.shadow = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.params.items()}
+        self.ready = False  # becomes true once loaded from a checkpoint or copied from the weights
+
+    def _pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        names = list(self.params)
+        return [_local(self.shadow[n]) for n in names], [_local(self.params[n].detach()) for n in names]
+
+    @torch.no_grad()
+    def start(self) -> None:
+        """Copy the current weights in, unless a checkpoint already restored the EMA."""
+        if self.ready:
+            return
+        shadows, params = self._pairs()
+        torch._foreach_copy_(shadows, params)
+        self.ready = True
+
+    @torch.no_grad()
+    def update(self) -> None:
+        if not self.ready:
+            raise RuntimeError("WeightEMA.update before start(): the EMA has no initial weights")
+        shadows, params = self._pairs()
+        params = [p.float() for p in params]  # no copy for fp32 master weights
+        torch._foreach_lerp_(shadows, params, 1.0 - self.beta)
+
+    @contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The EMA weights in the model for the block, then the training weights back, bit for bit.
+
+        Costs one copy of this rank's parameter shards; nothing is gathered.
+        """
+        if not self.ready:
+            raise RuntimeError("WeightEMA.swapped_in before start(): the EMA has no weights yet")
+        shadows, params = self._pairs()
+        with torch.no_grad():
+            backup = [p.clone() for p in params]
+            for p, s in zip(params, shadows, strict=True):
+                p.copy_(s)
+        self._drop_gathered()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(params, backup)
+            self._drop_gathered()
+
+    def _drop_gathered(self) -> None:
+        """Free FSDP's gathered copies so the next forward gathers the swapped shards."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.shadow)
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        missing = sorted(set(self.shadow) - set(state_dict))
+        if missing:
+            raise KeyError(f"EMA state lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        with torch.no_grad():
+            for name, t in self.shadow.items():
+                if state_dict[name] is not t:  # DCP loads in place; a plain dict is copied
+                    t.copy_(state_dict[name])
+        self.ready = True

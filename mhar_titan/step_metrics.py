@@ -1,0 +1,59 @@
+"""Throughput, MFU, peak memory and ETA for the per-step log."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from torchtitan.components.metrics import MetricsProcessor
+
+
+def throughput(mp: MetricsProcessor) -> dict[str, float]:
+    """Tokens/s per device, MFU and peak memory since the last log step; resets those counters."""
+    elapsed = time.perf_counter() - mp.time_last_log
+    tps = mp.ntokens_since_last_log / (elapsed * mp.parallel_dims.non_data_parallel_size)
+    loading = sum(mp.data_loading_times)
+    mem = mp.device_memory_monitor.get_peak_stats()
+    out: dict[str, Any] = {
+        "tokens_per_s": tps,
+        "mfu": 100 * mp.num_flops_per_token * tps / mp.gpu_peak_flops,
+        "memory/peak_active_gib": mem.max_active_gib,
+        "memory/peak_reserved_gib": mem.max_reserved_gib,
+        "memory/alloc_retries": mem.num_alloc_retries,
+        "time/step_s": elapsed / mp.job_config.metrics.log_freq,
+        "time/data_loading_pct": 100 * loading / elapsed,
+    }
+    mp.ntokens_since_last_log = 0
+    mp.data_loading_times.clear()
+    mp.time_last_log = time.perf_counter()
+    mp.device_memory_monitor.reset_peak_stats()
+    return out
+
+
+class StepClock:
+    """Remaining time from the mean step time of this job, not counting its first step (compile, warm-up)."""
+
+    def __init__(self) -> None:
+        self.origin: tuple[float, int] | None = None
+        self.last_step = self.total = 0
+
+    def start(self, step: int, total: int) -> None:
+        self.origin, self.last_step, self.total = None, step, total
+
+    def tick(self, step: int) -> None:
+        if self.origin is None:
+            self.origin = (time.perf_counter(), step)
+        self.last_step = step
+
+    def pause(self, seconds: float) -> None:
+        """Leave out time that is not training (validation)."""
+        if self.origin is not None:
+            self.origin = (self.origin[0] + seconds, self.origin[1])
+
+    def eta(self) -> str:
+        if self.origin is None or self.last_step <= self.origin[1]:
+            return "?"
+        per_step = (time.perf_counter() - self.origin[0]) / (self.last_step - self.origin[1])
+        left = int(per_step * max(self.total - self.last_step, 0))
+        hours, rest = divmod(left, 3600)
+        return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"

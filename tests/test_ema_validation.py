@@ -1,0 +1,117 @@
+"""Weight EMA and fixed-set validation, in one process."""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import REPO
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+from data.config import DataConfig
+from data.loader import Encoder, ValidationLoader
+from data.shards import list_shards
+from mhar_titan.config import MHAR
+from mhar_titan.ema import WeightEMA, plain_name
+from mhar_titan.loss import ZLossCrossEntropy
+from mhar_titan.model import MHARTransformer
+from mhar_titan.train_spec import FLAVORS
+from mhar_titan.validate import FixedSetValidator
+
+
+def tiny_model(seed: int, mhar: bool = True) -> MHARTransformer:
+    args = copy.deepcopy(FLAVORS["tiny"])
+    args.mhar = MHAR(enable=mhar, num_heads=4, num_blocks=2, backend="torch")
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = MHARTransformer(args)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+        for p in model.parameters():  # gates and queries away from their zero init
+            p.add_(0.01 * torch.randn_like(p))
+    return model
+
+
+def test_ema_update_is_the_recurrence_and_swapping_restores_the_weights_bitwise():
+    model = tiny_model(seed=int(torch.randint(0, 2**31, ())))
+    beta = 0.9
+    ema = WeightEMA(model, beta)
+    ema.start()
+    want = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    for _ in range(4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        ema.update()
+        for n, p in model.named_parameters():
+            want[n] = beta * want[n] + (1 - beta) * p.detach().double()
+    for n, e in ema.state_dict().items():
+        scale = max(want[n].abs().max().item(), 1e-3)
+        assert (e.double() - want[n]).abs().max().item() <= 4 * 4 * torch.finfo(torch.float32).eps * scale, n
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with ema.swapped_in():
+        for n, p in model.named_parameters():
+            assert torch.equal(p, ema.state_dict()[n]), n
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+    restored = WeightEMA(model, beta)
+    with pytest.raises(RuntimeError, match="before start"):
+        restored.update()
+    restored.load_state_dict({n: t.clone() for n, t in ema.state_dict().items()})
+    restored.start()  # a restored EMA is kept, not re-copied from the weights
+    for n, t in restored.state_dict().items():
+        assert torch.equal(t, ema.state_dict()[n]), n
+
+
+def test_ema_names_do_not_depend_on_activation_checkpoint_wrapping():
+    model = tiny_model(seed=0)
+    plain = set(WeightEMA(model, 0.99).state_dict())
+    for layer_id, block in model.layers.named_children():
+        model.layers.register_module(layer_id, checkpoint_wrapper(block))
+    wrapped_names = [n for n, _ in model.named_parameters()]
+    assert any("_checkpoint_wrapped_module" in n for n in wrapped_names)
+    assert set(WeightEMA(model, 0.99).state_dict()) == plain
+    assert plain_name("layers.0._checkpoint_wrapped_module._orig_mod.attention.wq.weight") == (
+        "layers.0.attention.wq.weight"
+    )
+    with pytest.raises(ValueError, match="beta"):
+        WeightEMA(model, 1.0)
+
+
+@pytest.fixture(scope="module")
+def validation_loader():
+    encode = Encoder(HuggingFaceTokenizer(str(REPO / "assets" / "tiny")))
+    cfg = DataConfig(paths=[str(REPO / "assets" / "tiny" / "corpus")], validation_fraction=0.02)
+    cfg.source_column = "source"
+    return ValidationLoader(cfg, list_shards(cfg.paths), encode, seq_len=64, batch=3, dp_rank=0, dp_world=1)
+
+
+def validator(loader, steps):
+    job = SimpleNamespace(validation=SimpleNamespace(freq=5, steps=steps))
+    return FixedSetValidator(job, loader, SimpleNamespace(dp_enabled=False), torch.enable_grad, torch.no_grad())
+
+
+def test_validation_is_cross_entropy_only_and_the_same_every_time(validation_loader):
+    model = tiny_model(seed=int(torch.randint(0, 2**31, ())))
+    v = validator(validation_loader, steps=5)
+    first = v.validate([model], step=5)
+    assert v.validate([model], step=10) == first  # the same batches, the same weights: the same value
+
+    batches = list(validation_loader)[:5]
+    assert len(v.batches(torch.device("cpu"))) == len(batches) == 5
+    with torch.no_grad():
+        logits = torch.cat([model(b["input"]) for b, _ in batches]).flatten(0, 1)
+        labels = torch.cat([lab for _, lab in batches]).flatten()
+        ce = F.cross_entropy(logits.double(), labels).item()
+        z = torch.logsumexp(logits.double(), dim=-1).square().mean().item()
+        train_loss = ZLossCrossEntropy(1e-4)
+        total = sum(train_loss(model(b["input"]), lab) for b, lab in batches).item() / labels.numel()
+    tol = 8 * torch.finfo(torch.float32).eps * ce
+    assert abs(first - ce) <= tol
+    assert abs((total - first) - 1e-4 * z) <= tol + 1e-4 * z * 1e-5  # only training carries the z-loss
+    assert v.should_validate(10) and not v.should_validate(11)
