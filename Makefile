@@ -23,13 +23,18 @@ test: install
 	$(PY) -m pytest
 
 # The tiny pair, control then MHAR, each a 2-rank FSDP2 run (on CPU over gloo without a GPU).
+# The tiny pair end to end: a corpus and tokenizer from this machine's Python docstrings, a random
+# HF-format base, both arms loading it on 2 CPU FSDP ranks, then the paired comparison.
+DEMO_BASE := --model.flavor hf --model.hf_assets_path $(DEMO_DIR)/base --checkpoint.initial_load_in_hf \
+	--data.paths $(DEMO_DIR)/data/corpus
+
 demo: install
 	rm -rf $(DEMO_DIR)
-	PYTHON=$(PY) launch/torchrun.sh --nproc 2 configs/tiny_cpu.toml --job.dump_folder $(DEMO_DIR)/control
-	PYTHON=$(PY) launch/torchrun.sh --nproc 2 configs/tiny_cpu_mhar.toml --job.dump_folder $(DEMO_DIR)/mhar
-	$(PY) -m mhar_titan.tensorboard_scalars $(DEMO_DIR)/control
-	$(PY) -m mhar_titan.tensorboard_scalars $(DEMO_DIR)/mhar
-	$(PY) -m mhar_titan.tensorboard_scalars $(DEMO_DIR)/mhar --tag mhar/gate/mean
+	$(PY) -m data.demo_corpus $(DEMO_DIR)/data
+	$(PY) -m mhar_titan.hf init $(DEMO_DIR)/base --flavor tiny --tokenizer $(DEMO_DIR)/data --seed 0
+	PYTHON=$(PY) launch/pair.sh --nproc 2 tiny configs/tiny_cpu.toml configs/tiny_cpu_mhar.toml $(DEMO_BASE)
+	$(PY) -m mhar_titan.compare $(DEMO_DIR)
+	@echo "Report: $(DEMO_DIR)/compare/report.md"
 	@echo "TensorBoard: $(VENV)/bin/tensorboard --logdir $(DEMO_DIR)"
 
 # GPU only: the 8B-geometry routing microbatch, triton vs torch.compile vs eager, and a sweep.

@@ -1,25 +1,89 @@
 #!/usr/bin/env bash
-# One node, N processes: launch/torchrun.sh [--nproc N] [--dry-run] CONFIG [--section.key value ...]
+# launch/torchrun.sh [--nproc N] [--nnodes N --rdzv-endpoint HOST:PORT [--rdzv-id ID]] [--dry-run|--print-dump-folder]
+#                    CONFIG [--section.key value ...]
+# N processes per node (default: the visible GPUs, or 2 CPU processes without one); one node unless --nnodes > 1.
+# Overrides go to the TOML (e.g. --training.steps 100). SIGTERM/SIGUSR1 -> <dump_folder>/STOP; exit 75 = requeue.
 #
-# N defaults to the number of visible GPUs (2 CPU processes on a host without
-# one). Extra arguments override the TOML, e.g. --training.steps 100.
+# One node runs torchrun --standalone; with --nnodes > 1 every node runs this script with the same
+# --rdzv-endpoint (a host of the allocation, any free port) and --rdzv-id, and torchrun meets over c10d.
+#
+# Preemption: the script runs torchrun in the background. On SIGTERM or SIGUSR1 it touches
+# <dump_folder>/STOP, so the trainer checkpoints at the next step boundary, writes
+# <dump_folder>/preempted.json and exits; the script then exits 75 (requeue) when that marker is
+# new since the launch, else with torchrun's own exit code. Ctrl-C reaches torchrun directly,
+# as before. The dump folder is --job.dump_folder from the overrides, else [job] dump_folder from
+# CONFIG, else torchtitan's default ./outputs; relative to the current directory (the repo root).
+#
+# --dry-run prints the torchrun command on stdout (and the dump folder on stderr) and runs nothing;
+# --print-dump-folder prints the dump folder only. $PYTHON is the interpreter (default: python).
 set -euo pipefail
 
+me=launch/torchrun.sh
+REQUEUE_EXIT_CODE=75
 usage() { sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+die() { echo "$me: $*" >&2; exit 2; }
+need_value() { [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || die "$1 needs a value"; }
+positive_int() { [[ "$2" =~ ^[1-9][0-9]*$ ]] || die "$1 must be a positive integer, got '$2'"; }
 
-nproc="" dry_run=0
+nproc="" nnodes=1 rdzv_endpoint="" rdzv_id="" dry_run=0 print_dump=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --nproc) nproc="$2"; shift 2 ;;
+    --nproc|--nnodes|--rdzv-endpoint|--rdzv-id)
+      need_value "$@"
+      case "$1" in
+        --nproc) nproc="$2" ;;
+        --nnodes) nnodes="$2" ;;
+        --rdzv-endpoint) rdzv_endpoint="$2" ;;
+        --rdzv-id) rdzv_id="$2" ;;
+      esac
+      shift 2 ;;
     --nproc=*) nproc="${1#*=}"; shift ;;
+    --nnodes=*) nnodes="${1#*=}"; shift ;;
+    --rdzv-endpoint=*) rdzv_endpoint="${1#*=}"; shift ;;
+    --rdzv-id=*) rdzv_id="${1#*=}"; shift ;;
     --dry-run) dry_run=1; shift ;;
+    --print-dump-folder) print_dump=1; shift ;;
     -h|--help) usage 0 ;;
     *) break ;;
   esac
 done
 [[ $# -ge 1 ]] || usage 2
 config="$1"; shift
-[[ -f "$config" ]] || { echo "launch/torchrun.sh: config file not found: $config" >&2; exit 2; }
+[[ -f "$config" ]] || die "config file not found: $config"
+[[ -z "$nproc" ]] || positive_int --nproc "$nproc"
+positive_int --nnodes "$nnodes"
+if [[ $nnodes -gt 1 ]]; then
+  [[ -n "$rdzv_endpoint" ]] || die "--nnodes $nnodes needs --rdzv-endpoint HOST:PORT (the same on every node)"
+  [[ "$rdzv_endpoint" =~ ^[^:[:space:]]+:[0-9]+$ ]] || die "--rdzv-endpoint must be HOST:PORT, got '$rdzv_endpoint'"
+fi
+
+python="${PYTHON:-python}"
+[[ "${MARKER_WAIT_S:-10}" =~ ^[0-9]+$ ]] || die "MARKER_WAIT_S must be a whole number of seconds, got '$MARKER_WAIT_S'"
+
+# The dump folder, as the trainer will see it: the last --job.dump_folder override wins.
+dump=""
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case "${args[i]}" in
+    --job.dump_folder|--job.dump-folder)
+      [[ $((i + 1)) -lt ${#args[@]} ]] || die "${args[i]} needs a value"
+      dump="${args[i + 1]}" ;;
+    --job.dump_folder=*|--job.dump-folder=*) dump="${args[i]#*=}" ;;
+  esac
+done
+if [[ -z "$dump" ]]; then
+  dump=$("$python" -c '
+import sys, tomllib
+with open(sys.argv[1], "rb") as f:
+    print(tomllib.load(f).get("job", {}).get("dump_folder", ""))
+' "$config") || die "cannot read [job] dump_folder from $config with $python (set PYTHON, or pass --job.dump_folder)"
+  dump="${dump:-./outputs}"
+fi
+
+if [[ $print_dump -eq 1 ]]; then
+  printf '%s\n' "$dump"
+  exit 0
+fi
 
 if [[ -z "$nproc" ]]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -30,14 +94,68 @@ if [[ -z "$nproc" ]]; then
 fi
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
-python="${PYTHON:-python}"
+if [[ $nnodes -gt 1 ]]; then
+  rdzv=(--rdzv-backend=c10d --rdzv-endpoint="$rdzv_endpoint" --nnodes="$nnodes")
+  [[ -z "$rdzv_id" ]] || rdzv+=(--rdzv-id="$rdzv_id")
+else
+  rdzv=(--standalone --nnodes=1)
+fi
 cmd=("$python" -m torch.distributed.run
-  --standalone --nnodes=1 --nproc-per-node="$nproc"
+  "${rdzv[@]}" --nproc-per-node="$nproc"
   --local-ranks-filter=0 --role=rank --tee=3
   "$repo/train_cpt.py" --job.config_file "$config" "$@")
 
 if [[ $dry_run -eq 1 ]]; then
   printf '%q ' "${cmd[@]}"; echo
+  echo "# dump_folder: $dump" >&2
+  echo "# on SIGTERM/SIGUSR1: touch $dump/STOP; exit $REQUEUE_EXIT_CODE if $dump/preempted.json is new, else torchrun's code" >&2
   exit 0
 fi
-exec "${cmd[@]}"
+
+# Identity of the marker before the launch: a marker left by an older job must not count.
+marker="$dump/preempted.json"
+marker_id() { stat -c '%i %y %s' "$marker" 2>/dev/null || echo none; }
+marker_before=$(marker_id)
+marker_is_new() { [[ -f "$marker" && "$(marker_id)" != "$marker_before" ]]; }
+
+# A STOP left over from a run killed before the trainer saw it would stop this one at once. (With
+# several nodes the batch script clears it, once, before the nodes start.)
+if [[ $nnodes -eq 1 && -e "$dump/STOP" ]]; then
+  echo "$me: removing a stale $dump/STOP" >&2
+  rm -f "$dump/STOP"
+fi
+
+# shellcheck disable=SC2329  # called from the traps below
+request_stop() {
+  echo "$me: got SIG$1; asking the trainer to checkpoint and stop ($dump/STOP)" >&2
+  mkdir -p "$dump" && touch "$dump/STOP" || echo "$me: could not create $dump/STOP" >&2
+}
+trap 'request_stop TERM' TERM
+trap 'request_stop USR1' USR1
+trap ':' INT  # Ctrl-C reaches torchrun itself (same process group); keep waiting for it to finish
+
+# The child gets default signal dispositions (a plain `cmd &` would ignore SIGINT).
+( trap - INT QUIT; exec "${cmd[@]}" ) &
+child=$!
+
+# `wait` returns early when a trapped signal arrives: wait until the child has really exited.
+while :; do
+  if wait "$child"; then rc=0; else rc=$?; fi
+  kill -0 "$child" 2>/dev/null || break
+done
+if wait "$child"; then rc=0; else rc=$?; fi  # the child's own status, even if the last wait was interrupted
+
+# With several nodes the marker is written by global rank 0, maybe on another node: give a shared
+# file system up to MARKER_WAIT_S seconds (default 10) to show it.
+if [[ $rc -ne 0 && $nnodes -gt 1 ]] && ! marker_is_new; then
+  for ((waited = 0; waited < ${MARKER_WAIT_S:-10}; waited++)); do
+    ls "$dump" >/dev/null 2>&1 || true
+    marker_is_new && break
+    sleep 1
+  done
+fi
+if marker_is_new; then
+  echo "$me: the trainer checkpointed and stopped ($marker); exit $REQUEUE_EXIT_CODE to requeue" >&2
+  exit "$REQUEUE_EXIT_CODE"
+fi
+exit "$rc"

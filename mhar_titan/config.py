@@ -83,6 +83,14 @@ class Training:
 
 
 @dataclass
+class Checkpoint:
+    """Additions to torchtitan's `[checkpoint]`."""
+
+    keep_every: int = 0
+    """Besides the last keep_latest_k, keep every checkpoint whose step is a multiple of this (0: none)."""
+
+
+@dataclass
 class JobConfig:
     mhar: MHAR = field(default_factory=MHAR)
     data: DataConfig = field(default_factory=DataConfig)
@@ -90,3 +98,4 @@ class JobConfig:
     loss: Loss = field(default_factory=Loss)
     ema: EMA = field(default_factory=EMA)
     training: Training = field(default_factory=Training)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)

@@ -12,6 +12,7 @@ block in config.json, and may leave them out only while every gate is 0.
 
     python -m mhar_titan.hf inspect PATH
     python -m mhar_titan.hf export RUN_DIR OUT_DIR [--step N] [--ema] [--dtype bf16]
+    python -m mhar_titan.hf init OUT_DIR [--flavor tiny] [--tokenizer DIR] [--seed 0]
 """
 
 from __future__ import annotations
@@ -484,6 +485,28 @@ def load_run_checkpoint(run_dir: str, step: int | None = None, *, ema: bool = Fa
     return model
 
 
+def init_hf(out_dir: str, flavor: str, tokenizer_dir: str | None = None, seed: int = 0, dtype=torch.float32) -> None:
+    """A randomly initialised base checkpoint of a train-spec flavor (the demo's base, size-true smoke tests)."""
+    import copy
+
+    from mhar_titan.train_spec import FLAVORS
+
+    if flavor not in FLAVORS or flavor == "hf":
+        raise ValueError(f"flavor {flavor!r}: expected one of {', '.join(f for f in FLAVORS if f != 'hf')}")
+    args = copy.deepcopy(FLAVORS[flavor])
+    args.mhar = MHAR()
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = MHARTransformer(args)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    export_hf(model, out_dir, base_path=None, dtype=dtype)
+    for name in TOKENIZER_FILES if tokenizer_dir else ():
+        if os.path.exists(os.path.join(tokenizer_dir, name)):
+            shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(out_dir, name))
+
+
 # ---------------------------------------------------------------------------------------------
 # CLI
 
@@ -522,15 +545,24 @@ def main(argv: list[str] | None = None) -> None:
     p_export.add_argument("--ema", action="store_true", help="the EMA weights instead of the raw ones")
     p_export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p_export.add_argument("--no-routing", action="store_true", help="plain Llama (only while every gate is 0)")
+    p_init = sub.add_parser("init", help="a randomly initialised base checkpoint of a flavor")
+    p_init.add_argument("out_dir")
+    p_init.add_argument("--flavor", default="tiny")
+    p_init.add_argument("--tokenizer", default=None, help="folder whose tokenizer files are copied in")
+    p_init.add_argument("--seed", type=int, default=0)
+    p_init.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32")
     args = parser.parse_args(argv)
-    if args.cmd == "inspect":
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if args.cmd == "init":
+        init_hf(args.out_dir, args.flavor, args.tokenizer, args.seed, dtypes[args.dtype])
+        print(f"wrote a random {args.flavor} base checkpoint (seed {args.seed}, {args.dtype}) to {args.out_dir}")
+    elif args.cmd == "inspect":
         print(inspect(args.path, MHAR(enable=True) if args.mhar else None))
     elif args.cmd == "export":
         model = load_run_checkpoint(args.run_dir, args.step, ema=args.ema)
         _, base = run_model_args(args.run_dir)
         base = base if base and fsspec.core.url_to_fs(base)[0].exists(_join(base, "config.json")) else None
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-        export_hf(model, args.out_dir, base_path=base, dtype=dtype, include_routing=not args.no_routing)
+        export_hf(model, args.out_dir, base_path=base, dtype=dtypes[args.dtype], include_routing=not args.no_routing)
         print(f"exported {checkpoint_step_dir(args.run_dir, args.step)} to {args.out_dir} ({args.dtype})")
 
 

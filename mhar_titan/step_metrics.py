@@ -30,6 +30,14 @@ def throughput(mp: MetricsProcessor) -> dict[str, float]:
     return out
 
 
+def flush(mp: MetricsProcessor) -> None:
+    """Push logged scalars to disk, so a killed job loses none of the steps it finished."""
+    for backend in getattr(mp.logger, "_loggers", [mp.logger]):
+        writer = getattr(backend, "writer", None)
+        if writer is not None:
+            writer.flush()
+
+
 class StepClock:
     """Remaining time from the mean step time of this job, not counting its first step (compile, warm-up)."""
 

@@ -24,8 +24,9 @@ from data.loader import gather_counters
 from mhar_titan import cpu
 from mhar_titan.checkpoint import CPTCheckpointManager
 from mhar_titan.ema import WeightEMA
+from mhar_titan.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch
 from mhar_titan.routing_stats import gather_routing_stats
-from mhar_titan.step_metrics import StepClock, throughput
+from mhar_titan.step_metrics import StepClock, flush, throughput
 from mhar_titan.train_spec import MODEL_NAME, train_spec
 
 CONFIG_MODULE = "mhar_titan.config"
@@ -49,6 +50,9 @@ class CPTTrainer(Trainer):
         self.bad_steps_in_a_row = 0
         self.skipped_steps = 0
         self.clock = StepClock()
+        self.preemption = PreemptionWatch(job_config.job.dump_folder)
+        if torch.distributed.get_rank() == 0:
+            self.preemption.clear_stale_marker()
         self._write_model_args()
 
     def _write_model_args(self) -> None:
@@ -96,6 +100,8 @@ class CPTTrainer(Trainer):
                         f"(training.max_bad_steps = {cfg.training.max_bad_steps}); stopped with a checkpoint "
                         "of the last good weights, optimizer and EMA (the data order has moved past the bad batches)"
                     )
+                if self.step < cfg.training.steps and (reason := self.preemption.requested(self.device)):
+                    self._stop_for_requeue(reason)
                 if profiler:
                     profiler.step()
                 if memory:
@@ -106,6 +112,15 @@ class CPTTrainer(Trainer):
                     )
                     first = False
         logger.info("Training completed")
+
+    def _stop_for_requeue(self, reason: str) -> None:
+        self.checkpointer.save_now(self.step)
+        if torch.distributed.get_rank() == 0:
+            self.preemption.mark(self.step, reason)
+        logger.warning(
+            f"step {self.step}: preempted ({reason}); checkpoint written; exiting {REQUEUE_EXIT_CODE} to be requeued"
+        )
+        raise Preempted(self.step, reason)
 
     def train_step(self, data_iterator) -> None:
         self.optimizers.zero_grad()
@@ -208,6 +223,7 @@ class CPTTrainer(Trainer):
         metrics.update({f"lr/{g['name']}": g["lr"] for g in groups})
         metrics.update(throughput(mp))
         mp.logger.log(metrics, self.step)
+        flush(mp)
         logger.info(
             f"step {self.step}/{self.job_config.training.steps}  loss {loss_v:.4f}"
             + (f" (ce {metrics['train/ce']:.4f})" if parts is not None else "")
@@ -216,16 +232,32 @@ class CPTTrainer(Trainer):
         )
 
     def validate(self) -> None:
+        """val/ce and val/ce_ema to TensorBoard; every batch's CE to validation/step-N.json for paired comparison."""
         began = time.perf_counter()
         metrics = {"val/ce": self.validator.validate(self.model_parts, self.step)}
+        batches = {"raw": self.validator.per_batch}
         if self.ema is not None:
             with self.ema.swapped_in():
                 metrics["val/ce_ema"] = self.validator.validate(self.model_parts, self.step)
+            batches["ema"] = self.validator.per_batch
         self.metrics_processor.logger.log(metrics, self.step)
+        if torch.distributed.get_rank() == 0:
+            self._write_validation_batches(batches)
         spent = time.perf_counter() - began
         self.metrics_processor.time_last_log += spent  # keep validation out of the training throughput
         self.clock.pause(spent)
         logger.info(f"validation at step {self.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+
+    def _write_validation_batches(self, batches: dict[str, list[list[float]]]) -> None:
+        folder = os.path.join(self.job_config.job.dump_folder, "validation")
+        os.makedirs(folder, exist_ok=True)
+        record = {"step": self.step}
+        for which, rows in batches.items():
+            record[which] = {"ce_sum": [r[0] for r in rows], "tokens": [int(r[1]) for r in rows]}
+        path = os.path.join(folder, f"step-{self.step:08d}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
 
     def _log_routing_stats(self) -> None:
         mhar = self.job_config.mhar

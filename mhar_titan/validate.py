@@ -43,6 +43,7 @@ class FixedSetValidator:
         self.loader, self.parallel_dims = loader, parallel_dims
         self.context, self.amp = validation_context, maybe_enable_amp
         self._batches: list[Batch] | None = None
+        self.per_batch: list[list[float]] = []
 
     def should_validate(self, step: int) -> bool:
         return self.freq > 0 and step % self.freq == 0
@@ -79,20 +80,26 @@ class FixedSetValidator:
 
     @torch.no_grad()
     def validate(self, model_parts: list[nn.Module], step: int) -> float:
+        """The cross-entropy per valid token; `per_batch` then holds every batch's (CE sum, tokens), rank-major."""
         model = model_parts[0]
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
-        sums = torch.zeros(2, dtype=torch.float64, device=device)  # CE sum, valid tokens
+        rows = []
         for inputs, labels in self.batches(device):
             inputs, labels = inputs.to(device), labels.to(device)
             with self.context(), self.amp:
                 ce = cross_entropy_sum(model(inputs), labels)
-            sums += torch.stack([ce.double(), (labels != IGNORE_INDEX).sum().double()])
+            rows.append(torch.stack([ce.double(), (labels != IGNORE_INDEX).sum().double()]))
+        mine = torch.stack(rows)  # [batches, 2]
         if self._group() is not None:
-            dist.all_reduce(sums, group=self._group())
+            everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group()))]
+            dist.all_gather(everyone, mine, group=self._group())
+            mine = torch.cat(everyone)
         model.train(was_training)
-        return (sums[0] / sums[1]).item()
+        self.per_batch = mine.tolist()
+        total = mine.sum(0)
+        return (total[0] / total[1]).item()
 
 
 def build_fixed_set_validator(

@@ -67,13 +67,17 @@ def test_tiny_flavor_has_a_few_million_parameters():
     assert 1_000_000 < sum(p.numel() for p in model.parameters()) < 10_000_000
 
 
-def test_tiny_pair_differs_only_in_mhar_and_run_names():
-    control = tomllib.loads((REPO / "configs/tiny_cpu.toml").read_text())
-    mhar = tomllib.loads((REPO / "configs/tiny_cpu_mhar.toml").read_text())
+@pytest.mark.parametrize(
+    "pair", [("tiny_cpu.toml", "tiny_cpu_mhar.toml"), ("marin8b_control.toml", "marin8b_mhar.toml")]
+)
+def test_pair_configs_differ_only_in_mhar_and_run_names(pair):
+    control = tomllib.loads((REPO / "configs" / pair[0]).read_text())
+    mhar = tomllib.loads((REPO / "configs" / pair[1]).read_text())
     assert control.pop("mhar") == {"enable": False} and mhar.pop("mhar")["enable"] is True
     for cfg in (control, mhar):
         cfg["job"].pop("dump_folder")
         cfg["job"].pop("description")
     assert control == mhar
-    assert not _parse("tiny_cpu.toml").mhar.enable and _parse("tiny_cpu_mhar.toml").mhar.enable
-    assert not _parse("marin8b_control.toml").mhar.enable
+    assert not _parse(pair[0]).mhar.enable and _parse(pair[1]).mhar.enable
+    parsed = _parse(pair[1]).mhar
+    parsed.validate(4096, 32)  # the 8B geometry takes the MHAR arm's settings

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from conftest import REPO
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -220,3 +221,26 @@ def test_inspect_cli_summarises_a_checkpoint(hf_dir):
     n = sum(p.numel() for p in ref.parameters())
     assert "4 layers" in out.stdout and f"{n:,} parameters" in out.stdout
     assert f"{len(ref.state_dict())} tensors loaded" in out.stdout and "0 unused" in out.stdout
+
+
+def test_init_writes_a_random_base_that_loads_back_exactly(tmp_path):
+    import copy
+
+    from mhar_titan.hf import init_hf
+    from mhar_titan.model import MHARTransformer
+    from mhar_titan.train_spec import FLAVORS
+
+    seed = int(torch.randint(0, 2**31, ()))
+    init_hf(str(tmp_path / "base"), "tiny", tokenizer_dir=str(REPO / "assets" / "tiny"), seed=seed)
+    assert (tmp_path / "base" / "tokenizer.json").is_file()
+    loaded = load_hf_model(str(tmp_path / "base"), dtype=torch.float32).state_dict()
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        want = MHARTransformer(copy.deepcopy(FLAVORS["tiny"]))
+    want.to_empty(device="cpu")
+    with torch.no_grad():
+        want.init_weights()
+    for key, value in want.state_dict().items():
+        assert torch.equal(loaded[key], value), key
+    with pytest.raises(ValueError, match="flavor 'nope'"):
+        init_hf(str(tmp_path / "other"), "nope")

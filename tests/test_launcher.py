@@ -1,10 +1,65 @@
-"""launch/torchrun.sh prints the exact command under --dry-run and refuses a missing config."""
+"""The launchers: launch/torchrun.sh, launch/slurm.sbatch and launch/pair.sh, without real training.
 
+Dry runs check the exact commands; a fake interpreter (PYTHON=...) stands in for torchrun to check
+the preemption protocol: a signal becomes <dump_folder>/STOP, and a new preempted.json becomes exit 75.
+"""
+
+import os
+import shlex
+import shutil
+import signal
 import subprocess
+import sys
+import time
 
+import pytest
 from conftest import REPO
 
 SCRIPT = str(REPO / "launch" / "torchrun.sh")
+SBATCH = str(REPO / "launch" / "slurm.sbatch")
+PAIR = str(REPO / "launch" / "pair.sh")
+CONTROL, MHAR = "configs/tiny_cpu.toml", "configs/tiny_cpu_mhar.toml"
+
+# Stands in for python: `-m torch.distributed.run ... --job.dump_folder D ...` acts as torchrun
+# would under the trainer (FAKE_MODE: wait_stop, preempt, exit0, exit3); anything else goes to
+# the real interpreter.
+FAKE_PYTHON = f"""#!/usr/bin/env bash
+set -euo pipefail
+if [[ "${{1:-}}" != -m || "${{2:-}}" != torch.distributed.run ]]; then
+  exec {shlex.quote(sys.executable)} "$@"
+fi
+dump="" prev=""
+for a in "$@"; do [[ "$prev" != --job.dump_folder ]] || dump="$a"; prev="$a"; done
+mkdir -p "$dump"
+touch "$dump/launched"
+case "$FAKE_MODE" in
+  wait_stop)
+    for _ in $(seq 400); do [[ -f "$dump/STOP" ]] && break; sleep 0.05; done
+    [[ -f "$dump/STOP" ]] || exit 9
+    echo '{{"step": 3, "reason": "stop file"}}' > "$dump/preempted.json"
+    exit 1 ;;
+  preempt) echo '{{"step": 1, "reason": "SIGTERM"}}' > "$dump/preempted.json"; exit 1 ;;
+  exit0) exit 0 ;;
+  exit3) exit 3 ;;
+esac
+exit 8
+"""
+
+
+def run(*cmd: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
+    return subprocess.run(list(cmd), cwd=REPO, env=full_env, capture_output=True, text=True, check=check)
+
+
+@pytest.fixture
+def fake_python(tmp_path):
+    path = tmp_path / "python"
+    path.write_text(FAKE_PYTHON)
+    path.chmod(0o755)
+    return str(path)
+
+
+# --- launch/torchrun.sh ------------------------------------------------------------------------
 
 
 def test_dry_run_prints_the_torchrun_command():
@@ -27,3 +82,330 @@ def test_missing_config_is_refused_by_name():
     proc = subprocess.run([SCRIPT, "configs/nope.toml"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2
     assert "configs/nope.toml" in proc.stderr
+
+
+def test_multi_node_dry_run_uses_c10d():
+    proc = run(
+        SCRIPT, "--dry-run", "--nnodes", "2", "--rdzv-endpoint", "h:1234", "--rdzv-id", "7", "--nproc", "4", CONTROL
+    )
+    out = proc.stdout.split()
+    assert len(proc.stdout.strip().splitlines()) == 1
+    assert "--standalone" not in out
+    for arg in ["--rdzv-backend=c10d", "--rdzv-endpoint=h:1234", "--rdzv-id=7", "--nnodes=2", "--nproc-per-node=4"]:
+        assert arg in out
+    assert "# dump_folder: runs/tiny/control" in proc.stderr
+
+
+def test_multi_node_without_endpoint_is_refused():
+    proc = run(SCRIPT, "--dry-run", "--nnodes", "2", CONTROL, check=False)
+    assert proc.returncode == 2
+    assert "--rdzv-endpoint" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], "runs/tiny/control"),
+        (["--job.dump_folder", "a/b", "--training.steps", "3"], "a/b"),
+        (["--job.dump_folder=c/d"], "c/d"),
+    ],
+)
+def test_dump_folder_from_overrides_then_toml(overrides, expected):
+    assert run(SCRIPT, "--print-dump-folder", CONTROL, *overrides).stdout == expected + "\n"
+
+
+def test_dump_folder_defaults_to_torchtitan_outputs(tmp_path):
+    config = tmp_path / "bare.toml"
+    config.write_text("[training]\nsteps = 1\n")
+    assert run(SCRIPT, "--print-dump-folder", str(config)).stdout == "./outputs\n"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
+def test_signal_becomes_stop_file_and_exit_75(tmp_path, fake_python, sig):
+    dump = tmp_path / "run"
+    env = {**os.environ, "PYTHON": fake_python, "FAKE_MODE": "wait_stop"}
+    cmd = [SCRIPT, "--nproc", "1", CONTROL, "--job.dump_folder", str(dump)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not (dump / "launched").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the fake torchrun never started"
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert (dump / "STOP").exists()
+    assert (dump / "preempted.json").exists()
+    assert proc.returncode == 75, err
+    assert f"got SIG{sig.name[3:]}" in err
+
+
+@pytest.mark.parametrize(("mode", "code"), [("exit0", 0), ("exit3", 3)])
+def test_stale_marker_does_not_count(tmp_path, fake_python, mode, code):
+    dump = tmp_path / "run"
+    dump.mkdir()
+    stale = dump / "preempted.json"
+    stale.write_text('{"step": 1, "reason": "an older job"}')
+    (dump / "STOP").touch()  # left by a run killed before its trainer saw it
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    proc = run(
+        SCRIPT,
+        "--nproc",
+        "1",
+        CONTROL,
+        "--job.dump_folder",
+        str(dump),
+        env={"PYTHON": fake_python, "FAKE_MODE": mode},
+        check=False,
+    )
+    assert proc.returncode == code, proc.stderr
+    assert (dump / "launched").exists()
+    assert not (dump / "STOP").exists()
+
+
+def test_new_marker_without_signal_exits_75(tmp_path, fake_python):
+    dump = tmp_path / "run"
+    proc = run(
+        SCRIPT,
+        "--nproc",
+        "1",
+        CONTROL,
+        "--job.dump_folder",
+        str(dump),
+        env={"PYTHON": fake_python, "FAKE_MODE": "preempt"},
+        check=False,
+    )
+    assert proc.returncode == 75, proc.stderr
+
+
+# --- launch/slurm.sbatch -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    """A fake 2-node allocation: SLURM_* variables, and `scontrol` (show hostnames; requeue is logged
+    to tmp_path/requeued) and `srun` (runs its command once, here) first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "scontrol": f"""#!/usr/bin/env bash
+case "$1" in
+  show) printf "gpu07\\ngpu08\\n" ;;
+  requeue) echo "$2" >> {tmp_path}/requeued ;;
+  *) exit 1 ;;
+esac
+""",
+        "srun": """#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do shift; done
+exec "$@"
+""",
+    }
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in ("MASTER_PORT", "DRY_RUN")}
+    env.update(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        PYTHON=sys.executable,
+        SLURM_JOB_ID="4242",
+        SLURM_NNODES="2",
+        SLURM_JOB_NODELIST="gpu[07-08]",
+        SLURM_GPUS_ON_NODE="8",
+        MARKER_WAIT_S="0",  # no shared file system to wait for
+    )
+    return env
+
+
+def test_sbatch_header_requeues_on_a_warning_signal():
+    header = [line.split()[1] for line in open(SBATCH) if line.startswith("#SBATCH")]
+    assert "--requeue" in header
+    assert any(opt.startswith("--signal=B:USR1@") for opt in header)
+    assert "--nodes=1" in header and "--ntasks-per-node=1" in header and "--open-mode=append" in header
+
+
+@pytest.mark.parametrize("how", ["arg", "env"])
+def test_sbatch_dry_run_under_a_fake_allocation(fake_slurm, how):
+    args = [SBATCH, "--dry-run"] if how == "arg" else [SBATCH]
+    env = fake_slurm if how == "arg" else {**fake_slurm, "DRY_RUN": "1"}
+    proc = subprocess.run(
+        [*args, CONTROL, "--training.steps", "3"], cwd=REPO, env=env, capture_output=True, text=True, check=True
+    )
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1
+    out = lines[0].split()
+    assert out[:3] == ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1"]
+    i = out.index("launch/torchrun.sh")
+    assert out[i:] == [
+        "launch/torchrun.sh",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        "gpu07:24242",
+        "--rdzv-id",
+        "4242",
+        "--nproc",
+        "8",
+        CONTROL,
+        "--training.steps",
+        "3",
+    ]
+    # torchrun.sh turns that into a c10d rendezvous
+    inner = run(SCRIPT, "--dry-run", *out[i + 1 :]).stdout.split()
+    assert "--rdzv-backend=c10d" in inner and "--standalone" not in inner
+    assert "--rdzv-endpoint=gpu07:24242" in inner and "--nnodes=2" in inner and "--nproc-per-node=8" in inner
+    assert "scontrol requeue 4242" in proc.stderr
+    assert "runs/tiny/control/STOP" in proc.stderr
+
+
+def test_sbatch_port_from_master_port(fake_slurm):
+    proc = subprocess.run(
+        [SBATCH, "--dry-run", CONTROL],
+        cwd=REPO,
+        env={**fake_slurm, "MASTER_PORT": "29500"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "gpu07:29500" in proc.stdout.split()
+
+
+def test_sbatch_refuses_outside_slurm_and_missing_config(fake_slurm):
+    no_job = {k: v for k, v in fake_slurm.items() if k != "SLURM_JOB_ID"}
+    proc = subprocess.run([SBATCH, "--dry-run", CONTROL], cwd=REPO, env=no_job, capture_output=True, text=True)
+    assert proc.returncode == 2 and "SLURM_JOB_ID" in proc.stderr
+    proc = subprocess.run(
+        [SBATCH, "--dry-run", "configs/nope.toml"], cwd=REPO, env=fake_slurm, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "configs/nope.toml" in proc.stderr
+
+
+# --- launch/pair.sh ----------------------------------------------------------------------------
+
+
+def test_pair_dry_run_prints_both_arms():
+    proc = run(PAIR, "--dry-run", "NAME", CONTROL, MHAR, "--training.steps", "3")
+    lines = [line.split() for line in proc.stdout.strip().splitlines()]
+    assert lines == [
+        ["launch/torchrun.sh", CONTROL, "--job.dump_folder", "runs/NAME/control", "--training.steps", "3"],
+        ["launch/torchrun.sh", MHAR, "--job.dump_folder", "runs/NAME/mhar", "--training.steps", "3"],
+    ]
+    assert "tensorboard --logdir runs/NAME" in proc.stderr
+    assert "python -m mhar_titan.compare runs/NAME" in proc.stderr
+
+
+def test_pair_dry_run_passes_nproc():
+    proc = run(PAIR, "--dry-run", "--nproc", "2", "NAME", CONTROL, MHAR)
+    assert all(line.split()[:3] == ["launch/torchrun.sh", "--nproc", "2"] for line in proc.stdout.splitlines())
+
+
+def test_pair_slurm_dry_run_submits_two_jobs():
+    proc = run(
+        PAIR,
+        "--slurm",
+        "--dry-run",
+        "NAME",
+        CONTROL,
+        MHAR,
+        "--training.steps",
+        "3",
+        env={"SBATCH_ARGS": "--nodes 2 --time 1:00:00"},
+    )
+    lines = [line.split() for line in proc.stdout.strip().splitlines()]
+    for line, arm, config in zip(lines, ["control", "mhar"], [CONTROL, MHAR], strict=True):
+        assert line == [
+            "sbatch",
+            "--job-name",
+            f"NAME-{arm}",
+            "--nodes",
+            "2",
+            "--time",
+            "1:00:00",
+            "launch/slurm.sbatch",
+            config,
+            "--job.dump_folder",
+            f"runs/NAME/{arm}",
+            "--training.steps",
+            "3",
+        ]
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["a/b", CONTROL, MHAR], "a/b"),
+        (["..", CONTROL, MHAR], ".."),
+        (["NAME", CONTROL, "configs/nope.toml"], "configs/nope.toml"),
+        (["NAME", "configs/nope.toml", MHAR], "configs/nope.toml"),
+        (["NAME", CONTROL, MHAR, "--job.dump_folder", "x"], "--job.dump_folder"),
+        (["--slurm", "--nproc", "2", "NAME", CONTROL, MHAR], "--nproc"),
+    ],
+)
+def test_pair_refuses_bad_arguments(args, named):
+    proc = run(PAIR, "--dry-run", *args, check=False)
+    assert proc.returncode == 2
+    assert named in proc.stderr
+
+
+@pytest.fixture
+def pair_name():
+    name = f"pytest-launcher-{os.getpid()}"
+    yield name
+    shutil.rmtree(REPO / "runs" / name, ignore_errors=True)
+
+
+def test_pair_runs_both_arms_in_order(fake_python, pair_name):
+    run(PAIR, "--nproc", "1", pair_name, CONTROL, MHAR, env={"PYTHON": fake_python, "FAKE_MODE": "exit0"})
+    for arm in ["control", "mhar"]:
+        assert (REPO / "runs" / pair_name / arm / "launched").exists()
+
+
+def test_pair_stops_at_a_preempted_arm(fake_python, pair_name):
+    proc = run(
+        PAIR, "--nproc", "1", pair_name, CONTROL, MHAR, env={"PYTHON": fake_python, "FAKE_MODE": "preempt"}, check=False
+    )
+    assert proc.returncode == 75, proc.stderr
+    assert (REPO / "runs" / pair_name / "control" / "preempted.json").exists()
+    assert not (REPO / "runs" / pair_name / "mhar").exists()
+
+
+# --- launch/slurm.sbatch, run under the fake srun ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "code", "requeued"), [("preempt", 75, True), ("exit0", 0, False), ("exit3", 3, False)]
+)
+def test_sbatch_requeues_only_a_preempted_run(tmp_path, fake_slurm, fake_python, mode, code, requeued):
+    dump = tmp_path / "run"
+    env = {**fake_slurm, "PYTHON": fake_python, "FAKE_MODE": mode}
+    proc = subprocess.run(
+        [SBATCH, CONTROL, "--job.dump_folder", str(dump)], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == code, proc.stderr
+    assert (dump / "launched").exists()
+    assert (tmp_path / "requeued").exists() == requeued
+    if requeued:
+        assert (tmp_path / "requeued").read_text() == "4242\n"
+
+
+@pytest.mark.parametrize(("sig", "requeued"), [(signal.SIGUSR1, True), (signal.SIGTERM, False)], ids=["USR1", "TERM"])
+def test_sbatch_signal_stops_the_trainer(tmp_path, fake_slurm, fake_python, sig, requeued):
+    dump = tmp_path / "run"
+    env = {**fake_slurm, "PYTHON": fake_python, "FAKE_MODE": "wait_stop"}
+    cmd = [SBATCH, CONTROL, "--job.dump_folder", str(dump)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not (dump / "launched").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the fake torchrun never started"
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert (dump / "STOP").exists()
+    assert proc.returncode == 75, err
+    assert (tmp_path / "requeued").exists() == requeued, err

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# launch/pair.sh [--slurm] [--dry-run] [--nproc N] NAME CONTROL_CONFIG MHAR_CONFIG [--section.key value ...]
+# The schedule-matched pair under one name: runs/NAME/control and runs/NAME/mhar, same overrides for both.
+# Default: control then MHAR on this node with launch/torchrun.sh (run it again to resume; exit 75 = preempted).
+# --slurm: submit both with sbatch launch/slurm.sbatch (extra sbatch options in $SBATCH_ARGS, e.g. "--nodes 2").
+#
+# NAME: letters, digits, '.', '_', '-'. The overrides must not set --job.dump_folder (the pair sets it).
+# Without --slurm the arms run one after the other; the script stops at the first arm that fails or
+# is preempted and exits with its code. A rerun resumes each arm from its latest checkpoint (a
+# finished arm resumes and exits at once). With --slurm, SBATCH_ARGS is split on whitespace (no
+# quoting); logs go to logs/NAME-control-<jobid>.out and logs/NAME-mhar-<jobid>.out.
+# --dry-run prints the commands, one per line, and runs nothing. Paths are relative to the repo root.
+# RUNS_DIR (default runs) is the parent folder of the pair.
+set -euo pipefail
+
+me=launch/pair.sh
+usage() { sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+die() { echo "$me: $*" >&2; exit 2; }
+
+slurm=0 dry_run=0 nproc=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --slurm) slurm=1; shift ;;
+    --dry-run) dry_run=1; shift ;;
+    --nproc)
+      [[ $# -ge 2 && -n "$2" ]] || die "--nproc needs a value"
+      nproc="$2"; shift 2 ;;
+    --nproc=*) nproc="${1#*=}"; shift ;;
+    -h|--help) usage 0 ;;
+    --) shift; break ;;
+    -*) die "unknown option: $1" ;;
+    *) break ;;
+  esac
+done
+[[ $# -ge 3 ]] || usage 2
+name="$1" control="$2" mhar="$3"; shift 3
+cd "$(dirname "$0")/.."  # the repo root: configs and runs/ are relative to it
+
+[[ "$name" =~ ^[A-Za-z0-9._-]+$ && "$name" != . && "$name" != .. ]] \
+  || die "bad NAME '$name': use letters, digits, '.', '_' and '-'"
+[[ -f "$control" ]] || die "control config not found: $control"
+[[ -f "$mhar" ]] || die "MHAR config not found: $mhar"
+if [[ -n "$nproc" ]]; then
+  [[ "$nproc" =~ ^[1-9][0-9]*$ ]] || die "--nproc must be a positive integer, got '$nproc'"
+  [[ $slurm -eq 0 ]] || die "--nproc is for local runs; with --slurm pass SBATCH_ARGS='--gpus-per-node N'"
+fi
+for arg in "$@"; do
+  case "$arg" in
+    --job.dump_folder|--job.dump_folder=*|--job.dump-folder|--job.dump-folder=*)
+      die "$arg: the pair sets the dump folders itself (runs/$name/control, runs/$name/mhar)" ;;
+  esac
+done
+
+runs="${RUNS_DIR:-runs}/$name"  # RUNS_DIR: another parent folder (absolute, or relative to the repo root)
+arms=(control mhar)
+declare -A config_of=([control]="$control" [mhar]="$mhar")
+
+cmds=()  # one shell-quoted command per arm
+for arm in "${arms[@]}"; do
+  if [[ $slurm -eq 1 ]]; then
+    read -ra sbatch_args <<<"${SBATCH_ARGS:-}"
+    cmd=(sbatch --job-name "$name-$arm" ${sbatch_args[@]+"${sbatch_args[@]}"}
+      launch/slurm.sbatch "${config_of[$arm]}" --job.dump_folder "$runs/$arm" "$@")
+  else
+    cmd=(launch/torchrun.sh ${nproc:+--nproc "$nproc"}
+      "${config_of[$arm]}" --job.dump_folder "$runs/$arm" "$@")
+  fi
+  cmds+=("$(printf '%q ' "${cmd[@]}")")
+done
+
+info() {
+  echo "# runs: $runs/control and $runs/mhar"
+  [[ $slurm -eq 0 ]] || echo "# logs: logs/$name-control-<jobid>.out and logs/$name-mhar-<jobid>.out"
+  echo "# TensorBoard: tensorboard --logdir $runs"
+  echo "# compare: python -m mhar_titan.compare $runs"
+}
+
+if [[ $dry_run -eq 1 ]]; then
+  printf '%s\n' "${cmds[@]}"
+  info >&2
+  exit 0
+fi
+
+info >&2
+[[ $slurm -eq 0 ]] || mkdir -p logs  # sbatch does not create the folder of --output
+
+# SIGTERM/SIGUSR1 go on to the running arm (torchrun.sh turns them into a checkpoint and exit 75);
+# Ctrl-C reaches it directly (same process group).
+child=""
+forward() { [[ -z "$child" ]] || kill -s "$1" "$child" 2>/dev/null || true; }
+trap 'forward TERM' TERM
+trap 'forward USR1' USR1
+trap ':' INT
+for i in "${!arms[@]}"; do
+  echo "$me: ${cmds[i]}" >&2
+  ( trap - INT QUIT; eval "exec ${cmds[i]}" ) &
+  child=$!
+  while :; do
+    if wait "$child"; then rc=0; else rc=$?; fi
+    kill -0 "$child" 2>/dev/null || break
+  done
+  if wait "$child"; then rc=0; else rc=$?; fi
+  child=""
+  if [[ $rc -ne 0 ]]; then
+    if [[ $rc -eq 75 ]]; then
+      echo "$me: the ${arms[i]} arm was preempted (checkpointed); rerun the same command to resume" >&2
+    else
+      echo "$me: the ${arms[i]} arm failed (exit $rc); stopping" >&2
+    fi
+    exit "$rc"
+  fi
+done
+if [[ $slurm -eq 0 ]]; then
+  echo "$me: both arms done; python -m mhar_titan.compare $runs" >&2
+fi

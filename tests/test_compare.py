@@ -1,0 +1,254 @@
+"""`mhar_titan.compare` on synthetic pairs of TensorBoard runs with known deltas, noise and divergences."""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from torch.utils.tensorboard import SummaryWriter
+
+from mhar_titan.compare import compare, load_scalars, main, paired_ci, t_quantile
+from mhar_titan.tensorboard_scalars import event_files, read_scalars
+
+N, SIGMA = 2000, 0.02
+FIRST_DELTA = 2.0**-16  # 2.5 and 2.5 + 2**-16 are both exact in float32
+VAL_BATCHES = 16
+T_975_DF15 = 2.1314495455597757  # Student-t 0.975 quantile, 15 df (incomplete beta via mpmath, 30 digits)
+MU_RAW, MU_EMA = -3.0e-4, -5.0e-4
+
+
+def f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def write_run(run: Path, scalars: dict[str, dict[int, float]], sub: str = "20260101-0000", t0: float = 0.0) -> None:
+    writer = SummaryWriter(log_dir=str(run / "tb" / sub))
+    for tag, series in scalars.items():
+        for step, value in series.items():
+            writer.add_scalar(tag, value, step, walltime=t0 + step)
+    writer.close()
+
+
+def write_val(run: Path, step: int, **kinds: dict[str, list]) -> None:
+    (run / "validation").mkdir(parents=True, exist_ok=True)
+    (run / "validation" / f"step-{step:08d}.json").write_text(json.dumps({"step": step, **kinds}))
+
+
+def batches(ce: np.ndarray, tokens: np.ndarray) -> dict[str, list]:
+    return {"ce_sum": (ce * tokens).tolist(), "tokens": tokens.tolist()}
+
+
+def schedule(steps: range) -> dict[str, dict[int, float]]:
+    """Scalars both arms of a pair share: LR, tokens, data counters."""
+    return {
+        "lr/decay": {s: 4e-4 * (1 - s / (steps[-1] + 1)) for s in steps},
+        "tokens_seen": {s: 8 * 4096 * s for s in steps},
+        "data/docs": {s: 3 * s for s in steps},
+        "data/tokens/a": {s: 5000 * s for s in steps},
+        "data/tokens/b": {s: 700 * (s - 9) for s in steps if s >= 10},
+    }
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> dict:
+    """A pair with known noise, first-step delta and paired validation differences."""
+    root = tmp_path_factory.mktemp("pair")
+    rng = np.random.default_rng(20261130)
+    steps = range(1, N + 1)
+    trend = {s: 2.0 + 0.5 * math.exp(-s / 400) for s in steps}
+    control = {s: trend[s] + SIGMA * rng.standard_normal() for s in steps}
+    control[1] = 2.5
+    mhar = {s: control[s] + FIRST_DELTA * (1 + s / N) for s in steps}
+    mhar[1] = 2.5 + FIRST_DELTA
+    shared = schedule(steps)
+    tps = {"control": 10000.0, "mhar": 9000.0}
+    arms = {"control": control, "mhar": mhar}
+    val_steps = (500, 1000, 1500)
+    val_tb: dict[str, dict[str, dict[int, float]]] = {"control": {}, "mhar": {}}
+    tokens = rng.integers(3000, 4097, VAL_BATCHES)
+    for s in val_steps:
+        c_raw, c_ema = 2.3 + 0.05 * rng.standard_normal((2, VAL_BATCHES))
+        e_raw, e_ema = rng.standard_normal((2, VAL_BATCHES))
+        m_raw = c_raw + MU_RAW + 0.003 * (e_raw - e_raw.mean())  # paired differences with mean exactly MU
+        m_ema = c_ema + MU_EMA + 0.002 * (e_ema - e_ema.mean())
+        for name, raw, ema in (("control", c_raw, c_ema), ("mhar", m_raw, m_ema)):
+            val_tb[name].setdefault("val/ce", {})[s] = float((raw * tokens).sum() / tokens.sum())
+            val_tb[name].setdefault("val/ce_ema", {})[s] = float((ema * tokens).sum() / tokens.sum())
+            if s != 1500:  # step 1500: aggregate only, as without per-batch files
+                write_val(root / name, s, raw=batches(raw, tokens), ema=batches(ema, tokens))
+    for name, loss in arms.items():
+        write_run(
+            root / name,
+            {
+                "train/loss": loss,
+                "train/ce": {s: v - 1e-3 for s, v in loss.items()},
+                "tokens_per_s": {s: (100.0 if s <= 5 else tps[name]) for s in steps},
+                **shared,
+                **val_tb[name],
+            },
+        )
+    result = compare(root)
+    return {"root": root, "result": result, "trend": trend, "tokens": tokens}
+
+
+def test_delta_run_holds_exact_paired_differences(pair):
+    root = pair["root"]
+    c, m = read_scalars(root / "control"), read_scalars(root / "mhar")
+    delta = read_scalars(root / "delta", "delta/train_loss")
+    assert delta == {s: f32(m[s] - c[s]) for s in c}
+    assert read_scalars(root / "delta", "delta/abs_train_loss") == {s: f32(abs(m[s] - c[s])) for s in c}
+    c_ce, m_ce = read_scalars(root / "control", "train/ce"), read_scalars(root / "mhar", "train/ce")
+    assert read_scalars(root / "delta", "delta/train_ce") == {s: f32(m_ce[s] - c_ce[s]) for s in c}
+
+
+def test_first_step_delta_and_noise(pair):
+    r, trend = pair["result"], pair["trend"]
+    assert r["first_step"] == 1 and r["steps"] == list(range(1, N + 1))
+    assert r["first_step_abs_delta"] == FIRST_DELTA
+    assert r["ratio_first"] == FIRST_DELTA / r["noise"]
+    # sd(diff)/√2 estimates sqrt(σ² + var(trend diffs)/2); for Gaussian noise the differences are MA(1) with
+    # autocovariances 2σ², -σ², so the estimate of σ has sd σ·sqrt(3 / (4 n)) over n differences.
+    n = N - 1
+    expected = math.sqrt(SIGMA**2 + np.var(np.diff([trend[s] for s in range(1, N + 1)]), ddof=1) / 2)
+    assert abs(r["noise"] - expected) < 4 * SIGMA * math.sqrt(3 / (4 * n))
+
+
+def test_quarters_and_throughput(pair):
+    root, r = pair["root"], pair["result"]
+    c, m = read_scalars(root / "control"), read_scalars(root / "mhar")
+    d = np.array([m[s] - c[s] for s in range(1, N + 1)])
+    assert [(q["first"], q["last"]) for q in r["quarters"]] == [(1, 500), (501, 1000), (1001, 1500), (1501, 2000)]
+    for q, part in zip(r["quarters"], np.split(d, 4), strict=True):
+        assert q["mean_abs_delta"] == pytest.approx(np.abs(part).mean(), rel=1e-12)
+        assert q["ratio"] == pytest.approx(np.abs(part).mean() / r["noise"], rel=1e-12)
+    assert r["tokens_per_s"] == {"control": 10000.0, "mhar": 9000.0, "ratio": 0.9}
+
+
+def test_validation_paired_ci(pair):
+    root, r = pair["root"], pair["result"]
+    assert [v["step"] for v in r["val"]] == [500, 1000, 1500]
+    low_tb = read_scalars(root / "delta", "delta/val_ce_ci_low")
+    high_tb = read_scalars(root / "delta", "delta/val_ce_ci_high")
+    for v in r["val"][:2]:
+        for kind, mu in (("raw", MU_RAW), ("ema", MU_EMA)):
+            files = [
+                json.loads((root / arm / "validation" / f"step-{v['step']:08d}.json").read_text())
+                for arm in ("control", "mhar")
+            ]
+            (c_sum, t), (m_sum, _) = ((np.array(f[kind]["ce_sum"]), np.array(f[kind]["tokens"])) for f in files)
+            diffs = m_sum / t - c_sum / t
+            half = T_975_DF15 * diffs.std(ddof=1) / math.sqrt(VAL_BATCHES)
+            ci = v[kind]["ci"]
+            assert ci["n"] == VAL_BATCHES and ci["mean"] == pytest.approx(diffs.mean(), rel=1e-12)
+            assert ci["half_width"] == pytest.approx(half, rel=1e-9)
+            assert ci["low"] <= mu <= ci["high"]
+            assert v[kind]["delta"] == pytest.approx(m_sum.sum() / t.sum() - c_sum.sum() / t.sum(), rel=1e-12)
+        assert low_tb[v["step"]] == f32(v["raw"]["ci"]["low"]) and high_tb[v["step"]] == f32(v["raw"]["ci"]["high"])
+    last = r["val"][2]  # no per-batch files: the aggregate from TensorBoard, no CI
+    c_val, m_val = read_scalars(root / "control", "val/ce"), read_scalars(root / "mhar", "val/ce")
+    assert last["raw"]["source"] == "tensorboard" and last["raw"]["ci"] is None
+    assert last["raw"]["delta"] == m_val[1500] - c_val[1500]
+    assert read_scalars(root / "delta", "delta/val_ce")[1500] == f32(m_val[1500] - c_val[1500])
+    assert 1500 not in low_tb
+
+
+def test_report_and_plots(pair):
+    r = pair["result"]
+    report = Path(r["report"])
+    assert report == pair["root"] / "compare" / "report.md"
+    text = report.read_text()
+    for name in ("train_loss.png", "delta_train_loss.png", "val_delta.png"):
+        assert (report.parent / name).stat().st_size > 0 and f"]({name})" in text
+    assert r["lr_identical"] is True and r["tokens_identical"] is True and r["data_identical"] is True
+    assert text.count("identical over the 2000 aligned steps") == 3
+    assert "n/a" in text  # the step without per-batch files has no CI
+
+
+def test_t_quantile_matches_tables():
+    # 30-digit values from the regularized incomplete beta (mpmath), independent of the finite sums used here
+    table = {1: 12.706204736174705, 2: 4.3026527297494639, 3: 3.1824463052837096, 4: 2.7764451051977944,
+             5: 2.5705818356363155, 10: 2.2281388519862747, 15: T_975_DF15, 30: 2.0422724563012383,
+             100: 1.9839715185235523, 1000: 1.9623390808264085}  # fmt: skip
+    for df, t in table.items():
+        assert t_quantile(0.975, df) == pytest.approx(t, rel=1e-12), df
+    assert paired_ci([1e-5]) is None and paired_ci([]) is None
+
+
+def test_single_batch_validation_has_no_ci(tmp_path):
+    for arm, ce in (("control", 2.0), ("mhar", 2.001)):
+        write_run(tmp_path / arm, {"train/loss": {1: 3.0, 2: 2.9, 3: 2.8}})
+        write_val(tmp_path / arm, 2, raw={"ce_sum": [ce * 100], "tokens": [100]})
+    v = compare(tmp_path)["val"]
+    assert v[0]["step"] == 2 and v[0]["raw"]["ci"] is None and v[0]["ema"] is None
+    assert v[0]["raw"]["delta"] == pytest.approx(0.001, rel=1e-9)
+    assert "fewer than 2 batches" in (tmp_path / "compare" / "report.md").read_text()
+
+
+def test_divergences_and_unmatched_steps(tmp_path, capsys):
+    steps = range(1, 61)
+    shared = schedule(steps)
+    mhar = {tag: dict(series) for tag, series in shared.items()}
+    for s in range(37, 61):
+        mhar["lr/decay"][s] *= 1.5
+    for s in range(51, 61):
+        mhar["tokens_seen"][s] += 4096
+    mhar["data/tokens/b"][44] += 1
+    mhar["data/tokens/c"] = {s: 10.0 * s for s in range(50, 61)}
+    write_run(tmp_path / "control", {"train/loss": {s: 3 - s / 100 for s in steps if s != 10}, **shared})
+    write_run(tmp_path / "mhar", {"train/loss": {s: 3 - s / 100 for s in range(1, 66)}, **mhar})
+    out = tmp_path / "out"
+    main([str(tmp_path), "--out", str(out)])
+    r = compare(tmp_path, out)  # a second run replaces the delta run's event file
+    assert len(event_files(tmp_path / "delta")) == 1
+    assert r["only_control"] == [] and r["only_mhar"] == [10, 61, 62, 63, 64, 65]
+    assert r["lr_identical"] is False and r["checks"]["lr/decay"]["step"] == 37
+    assert r["checks"]["lr/decay"]["mhar"] == f32(4e-4 * (1 - 37 / 61) * 1.5)
+    assert r["tokens_identical"] is False and r["checks"]["tokens_seen"]["step"] == 51
+    assert r["data_identical"] is False and (r["checks"]["data"]["tag"], r["checks"]["data"]["step"]) == (
+        "data/tokens/b",
+        44,
+    )
+    text = (out / "report.md").read_text()
+    assert "first at step 37" in text and "first at step 51" in text and "first at step 44" in text
+    assert "10, 61, 62, 63, 64, 65" in text
+    printed = capsys.readouterr().out
+    assert f"wrote {out / 'report.md'}" in printed and f"wrote {tmp_path / 'delta'}" in printed
+    assert not (out / "val_delta.png").exists()
+
+
+def test_resumed_runs_merge_like_read_scalars(tmp_path):
+    write_run(tmp_path / "control", {"train/loss": {s: 3.0 for s in range(1, 31)}}, "a", t0=0)
+    write_run(tmp_path / "control", {"train/loss": {s: 2.0 for s in range(21, 41)}}, "b", t0=1000)
+    write_run(tmp_path / "mhar", {"train/loss": {s: 2.5 for s in range(1, 41)}})
+    assert load_scalars(tmp_path / "control")["train/loss"] == read_scalars(tmp_path / "control")
+    delta = compare(tmp_path)["head"]
+    assert [h["delta"] for h in delta] == [-0.5] * 5
+    assert read_scalars(tmp_path / "delta", "delta/train_loss")[25] == 0.5
+
+
+def test_missing_arm_is_named(tmp_path):
+    write_run(tmp_path / "control", {"train/loss": {1: 3.0}})
+    missing = tmp_path / "mhar"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        compare(tmp_path)
+    with pytest.raises(SystemExit, match=re.escape(str(missing))):
+        main([str(tmp_path)])
+    missing.mkdir()  # a folder without event files
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        compare(tmp_path)
+
+
+def test_series_missing_in_one_arm_diverges(tmp_path):
+    steps = range(1, 11)
+    shared = schedule(steps)
+    control = {**shared, "tokens_seen": {s: v for s, v in shared["tokens_seen"].items() if s != 7}}
+    write_run(tmp_path / "control", {"train/loss": {s: 3.0 for s in steps}, **control})
+    write_run(tmp_path / "mhar", {"train/loss": {s: 3.0 for s in steps}, **shared, "data/tokens/new": {5: 1.0}})
+    r = compare(tmp_path)
+    assert r["checks"]["tokens_seen"] == {"identical": False, "step": 7, "control": None, "mhar": f32(8 * 4096 * 7)}
+    assert r["checks"]["data"] == {
+        "identical": False, "step": 5, "control": None, "mhar": 1.0, "tag": "data/tokens/new", "tags": 4
+    }  # fmt: skip
+    assert "first at step 5: control missing, mhar 1.0" in (tmp_path / "compare" / "report.md").read_text()

@@ -1,0 +1,38 @@
+"""The demo's path in short: a random HF base, the pair through launch/pair.sh, then the comparison."""
+
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+from mhar_titan.compare import compare
+from mhar_titan.hf import init_hf
+
+
+def test_pair_from_an_hf_base_starts_identical_and_the_report_says_so(tmp_path):
+    base = tmp_path / "base"
+    init_hf(str(base), "tiny", tokenizer_dir=str(REPO / "assets" / "tiny"), seed=7)
+    cmd = [
+        str(REPO / "launch" / "pair.sh"),
+        "--nproc",
+        "2",
+        "demo",
+        "configs/tiny_cpu.toml",
+        "configs/tiny_cpu_mhar.toml",
+    ]
+    cmd += ["--model.flavor", "hf", "--model.hf_assets_path", str(base), "--checkpoint.initial_load_in_hf"]
+    cmd += ["--training.steps", "4", "--lr_scheduler.total_steps", "4", "--validation.freq", "2"]
+    cmd += ["--validation.steps", "2", "--mhar.num_blocks", "2"]
+    env = {**os.environ, "PYTHON": sys.executable, "RUNS_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    pair = tmp_path / "demo"
+    result = compare(str(pair))
+    assert result["first_step_abs_delta"] == 0.0  # gate 0: the MHAR arm computes the base model exactly
+    assert result["lr_identical"] and result["tokens_identical"]
+    assert [v["step"] for v in result["val"]] == [2, 4]
+    report = (pair / "compare" / "report.md").read_text()
+    assert "Step 1: |Δ| = **0.000e+00**" in report and "identical" in report
+    assert (pair / "delta").is_dir() and list((pair / "control" / "validation").glob("step-*.json"))
