@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DIR := runs/tiny
 
-.PHONY: install test demo lint bench-kernels bench-data clean
+.PHONY: install test demo lint bench-kernels bench-step bench-data clean
 
 install: $(STAMP)
 
@@ -41,6 +41,11 @@ demo: install
 # Uses .venv when there is one, else the python3 on PATH (GPU machines bring their own torch).
 bench-kernels:
 	$(if $(wildcard $(PY)),$(PY),python3) -m kernels.bench_routing
+
+# GPU only: the training step of stock torchtitan, our control, MHAR (triton) and MHAR (compiled
+# routing) at the 8B width with 16 layers, side by side (python -m mhar_titan.bench_step --smoke: CPU plumbing).
+bench-step:
+	$(if $(wildcard $(PY)),$(PY),python3) -m mhar_titan.bench_step
 
 # CPU: the parquet loader's tokens/s per rank on shards of real text.
 bench-data: install

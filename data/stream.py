@@ -1,6 +1,7 @@
 """The document order and one logical stream: shards -> documents -> tokens -> windows.
 
-Order, a function of (seed, epoch) alone: the epoch's shards are permuted and
+Order, a function of (seed, epoch) and the shards' paths below the corpus's common folder
+alone (not where the corpus lies): the epoch's shards are permuted and
 dealt round-robin to `num_streams` logical streams; inside a shard the row
 groups are permuted and the rows of each row group permuted (a shuffle bounded
 by the row-group size). A stream joins its documents with the end-of-text id
@@ -36,6 +37,16 @@ def epoch_streams(shards: list[str], seed: int, epoch: int, num_streams: int) ->
     order = list(shards)
     random.Random(f"shards:{seed}:{epoch}").shuffle(order)
     return [order[s::num_streams] for s in range(num_streams)]
+
+
+def shard_keys(shards: list[str]) -> dict[str, str]:
+    """Each shard's path below the corpus's common folder: what the order is keyed by, so the same
+    corpus copied to another place (local SSD, another bucket) is read in the same order."""
+    parts = [s.split("/") for s in shards]
+    common = 0
+    while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
+        common += 1
+    return {s: "/".join(p[common:]) for s, p in zip(shards, parts, strict=True)}
 
 
 def _permutation(n: int, key: str) -> list[int]:
@@ -79,6 +90,7 @@ class PackedStream:
         self.stream, self.shards, self.cfg = stream, shards, cfg
         self.encode, self.eos_id, self.keep, self.validation = encode, eos_id, keep, validation
         self.state = copy.deepcopy(state) if state is not None else new_state()
+        self.keys = shard_keys(shards)
         self._groups: dict[tuple[str, int], list[tuple[int, int]]] = {}
         self._pending: deque[tuple[list[int] | None, str | None, dict[str, int]]] = deque()
         self._read: dict[str, int] | None = None  # read cursor, ahead of the state's
@@ -97,7 +109,7 @@ class PackedStream:
             sizes = shard_info(path, self.cfg.text_column, self.cfg.source_column).row_groups
             order = list(range(len(sizes)))
             if not self.validation:
-                order = _permutation(len(sizes), f"rg:{self.cfg.seed}:{epoch}:{path}")
+                order = _permutation(len(sizes), f"rg:{self.cfg.seed}:{epoch}:{self.keys[path]}")
             self._groups = {(path, epoch): [(rg, sizes[rg]) for rg in order]}
         return self._groups[(path, epoch)]
 
@@ -161,7 +173,7 @@ class PackedStream:
             texts, sources = read_row_group(path, rg, self.cfg.text_column, self.cfg.source_column)
             order = list(range(len(texts)))
             if not self.validation:
-                order = _permutation(len(texts), f"row:{self.cfg.seed}:{epoch}:{path}:{rg}")
+                order = _permutation(len(texts), f"row:{self.cfg.seed}:{epoch}:{self.keys[path]}:{rg}")
             self._rows = (path, rg, texts, sources, order)
         return self._rows[2], self._rows[3], self._rows[4]
 

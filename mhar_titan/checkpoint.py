@@ -46,7 +46,7 @@ class CPTCheckpointManager(CheckpointManager):
 
     def load(self, step: int = -1) -> bool:
         """The latest complete checkpoint; if it cannot be read, the one before it (and says so)."""
-        if step != -1 or not os.path.isdir(self.folder):
+        if not self.enable or step != -1 or not os.path.isdir(self.folder):
             return super().load(step)
         candidates = complete_steps(self.folder)[::-1]
         for i, candidate in enumerate(candidates):

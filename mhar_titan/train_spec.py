@@ -7,6 +7,7 @@ same code and differ only in their config.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 from torchtitan.components.tokenizer import build_hf_tokenizer
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
@@ -58,6 +59,9 @@ FLAVORS: dict[str, MHARModelArgs] = {
     ),
 }
 
+
+# The 8B width cut to 16 layers: what one GPU holds for speed benchmarks (make bench-step).
+FLAVORS["marin8b_16l"] = dataclasses.replace(FLAVORS["marin8b"], n_layers=16)
 
 # The architecture is read from `model.hf_assets_path`/config.json at start-up.
 FLAVORS[HF_FLAVOR] = MHARModelArgs()

@@ -4,8 +4,10 @@ import hashlib
 import json
 import pickle
 import random
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -17,7 +19,7 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from data.config import DataConfig
 from data.loader import Encoder, ParquetDataLoader, ValidationLoader
 from data.shards import BadShardError, held_out, list_shards, read_row_group, shard_info
-from data.stream import _permutation, epoch_streams
+from data.stream import _permutation, epoch_streams, shard_keys
 
 SEQ, BATCH = 16, 2
 ENCODE = Encoder(HuggingFaceTokenizer(str(REPO / "assets" / "tiny")))
@@ -76,9 +78,10 @@ def stream_docs(cfg, docs, stream, epoch=0):
     out = []
     for path in epoch_streams(sorted(docs), cfg.seed, epoch, cfg.num_streams)[stream]:
         sizes = shard_info(path, "text").row_groups
-        for rg in _permutation(len(sizes), f"rg:{cfg.seed}:{epoch}:{path}"):
+        name = Path(path).name  # the key: the path below the corpus folder
+        for rg in _permutation(len(sizes), f"rg:{cfg.seed}:{epoch}:{name}"):
             texts, _ = read_row_group(path, rg, "text")
-            for row in _permutation(len(texts), f"row:{cfg.seed}:{epoch}:{path}:{rg}"):
+            for row in _permutation(len(texts), f"row:{cfg.seed}:{epoch}:{name}:{rg}"):
                 if texts[row] and not held_out(texts[row], cfg.validation_fraction):
                     out.append(texts[row])
     return out
@@ -187,6 +190,19 @@ def test_same_seed_same_stream_in_another_process(corpus):
     assert out.stdout.strip() == digest
     other, _ = take(loader(cfg_for(folder, validation_fraction=0.0).__class__(**{**cfg.__dict__, "seed": 8}), 0), 6)
     assert any(not torch.equal(a[0]["input"], b[0]["input"]) for a, b in zip(batches, other, strict=True))
+
+
+def test_the_same_corpus_elsewhere_is_read_in_the_same_order(corpus, tmp_path):
+    folder, _ = corpus
+    moved = tmp_path / "another" / "mount" / "corpus"
+    shutil.copytree(folder, moved)
+    here, _ = take(loader(cfg_for(folder), 1), 8)
+    there, _ = take(loader(cfg_for(moved), 1), 8)
+    for a, b in zip(here, there, strict=True):
+        assert torch.equal(a[0]["input"], b[0]["input"]) and torch.equal(a[1], b[1])
+    keys = shard_keys(["/data/x/a/p.parquet", "/data/x/b/p.parquet", "/data/x/b/q.parquet"])
+    assert list(keys.values()) == ["a/p.parquet", "b/p.parquet", "b/q.parquet"]
+    assert shard_keys(["s3://bucket/c/one.parquet"]) == {"s3://bucket/c/one.parquet": "one.parquet"}
 
 
 def test_counters_count_documents_sources_and_skips(corpus):

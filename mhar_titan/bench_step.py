@@ -1,0 +1,122 @@
+"""`make bench-step`: the real training step of four arms at one geometry, side by side in one run.
+
+- stock: torchtitan 0.2.2's own llama3 Trainer, loss and optimizer (mhar_titan/stock_titan.py);
+- control: train_cpt.py with MHAR off (z-loss, EMA, grouped AdamW, our metrics);
+- mhar_triton: MHAR with the fused Triton routing kernels;
+- mhar_compile: MHAR with the plain routing compiled by torch.compile inside each block.
+
+Each arm is its own torchrun job (FSDP2 on `--nproc` ranks) on the same data, reading back
+tokens/s per device, MFU (torchtitan's formula: 6 x parameters + attention flops per token over
+the device's peak bf16 flops) and peak active memory from its TensorBoard log, as medians over
+the steps after `--warmup`. Default geometry: the 8B width cut to 16 layers, seq 4096,
+microbatch 2, bf16 compute, full activation checkpointing, per-block compile, 4 MHAR blocks.
+`--smoke` runs the tiny flavor on CPU for a few steps (plumbing only, no speed figure).
+
+    python -m mhar_titan.bench_step [--arms stock,control,mhar_triton,mhar_compile] [--steps 12] [--warmup 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from mhar_titan.tensorboard_scalars import read_scalars
+
+REPO = Path(__file__).resolve().parents[1]
+ARMS = {
+    "stock": ["-m", "mhar_titan.stock_titan", "--model.name", "llama3_stock"],
+    "control": [str(REPO / "train_cpt.py")],
+    "mhar_triton": [str(REPO / "train_cpt.py"), "--mhar.enable", "--mhar.backend", "triton"],
+    "mhar_compile": [str(REPO / "train_cpt.py"), "--mhar.enable", "--mhar.backend", "torch"],
+}
+# (ours, stock) TensorBoard tags
+TAGS = {
+    "tokens_per_s": ("tokens_per_s", "throughput(tps)"),
+    "mfu": ("mfu", "mfu(%)"),
+    "peak_active_gib": ("memory/peak_active_gib", "memory/max_active(GiB)"),
+}
+GPU = [
+    "--model.flavor", "marin8b_16l", "--training.seq_len", "4096", "--training.local_batch_size", "2",
+    "--training.mixed_precision_param", "bfloat16", "--optimizer.implementation", "fused",
+    "--compile.enable", "--compile.components", "model", "loss",
+]  # fmt: skip
+SMOKE = ["--model.flavor", "tiny", "--training.seq_len", "128", "--training.local_batch_size", "2"]
+BLOCKS = {False: ["--mhar.num_blocks", "4"], True: ["--mhar.num_blocks", "2"]}  # keyed by smoke
+
+
+def arm_command(arm: str, run: Path, nproc: int, steps: int, smoke: bool) -> list[str]:
+    common = [
+        "--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--job.dump_folder", str(run),
+        "--job.custom_config_module", "mhar_titan.config", "--training.steps", str(steps),
+        "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.total_steps", str(steps), "--metrics.log_freq", "1",
+        "--checkpoint.no-enable", "--validation.no-enable", "--activation_checkpoint.mode", "full",
+    ]  # fmt: skip
+    geometry = SMOKE if smoke else GPU
+    if arm != "stock":  # torchtitan's own model knows no [mhar]
+        geometry = [*geometry, *BLOCKS[smoke]]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return [*launcher, *ARMS[arm], *common, *geometry]
+
+
+def median_after(series: dict[int, float], warmup: int) -> float:
+    timed = [v for step, v in series.items() if step > warmup]
+    if not timed:
+        raise ValueError(f"no steps after the {warmup} warm-up steps")
+    return statistics.median(timed)
+
+
+def run_arm(arm: str, out: Path, nproc: int, steps: int, warmup: int, smoke: bool) -> dict[str, float]:
+    run = out / arm
+    shutil.rmtree(run, ignore_errors=True)
+    cmd = arm_command(arm, run, nproc, steps, smoke)
+    print(f"[{arm}] {' '.join(cmd)}", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if smoke:  # the Triton kernels run in Triton's interpreter on a CPU
+        env.setdefault("TRITON_INTERPRET", "1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    (out / f"{arm}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"[{arm}] exited {proc.returncode}; log in {out / f'{arm}.log'}:\n{proc.stderr[-3000:]}")
+    which = 1 if arm == "stock" else 0
+    return {name: median_after(read_scalars(run, tags[which]), warmup) for name, tags in TAGS.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=4, help="steps left out of the medians (compile, caches)")
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--out", default="runs/bench-step")
+    parser.add_argument("--smoke", action="store_true", help="tiny flavor on CPU: the plumbing, not a speed")
+    args = parser.parse_args(argv)
+    arms = args.arms.split(",")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        parser.error(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
+    if args.warmup >= args.steps:
+        parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    results = {arm: run_arm(arm, out, args.nproc, args.steps, args.warmup, args.smoke) for arm in arms}
+
+    base = "control" if "control" in results else arms[0]
+    print(f"\nmedians over steps {args.warmup + 1}..{args.steps}; ratios to {base} (and to stock)")
+    head = ("arm", "tokens/s/dev", "MFU %", "peak GiB", "tps ratio", "mem ratio", "vs stock")
+    print(f"{head[0]:<14}" + "".join(f"{h:>12}" for h in head[1:]))
+    for arm, r in results.items():
+        vs_stock = f"{r['tokens_per_s'] / results['stock']['tokens_per_s']:.3f}" if "stock" in results else "-"
+        print(
+            f"{arm:<14}{r['tokens_per_s']:>12,.0f}{r['mfu']:>12.2f}{r['peak_active_gib']:>12.2f}"
+            f"{r['tokens_per_s'] / results[base]['tokens_per_s']:>12.3f}"
+            f"{r['peak_active_gib'] / results[base]['peak_active_gib']:>12.3f}{vs_stock:>12}"
+        )
+
+
+if __name__ == "__main__":
+    main()

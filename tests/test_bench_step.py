@@ -1,0 +1,26 @@
+"""make bench-step's arms: the same geometry and data for all four, MHAR settings only where they apply."""
+
+from mhar_titan.bench_step import ARMS, arm_command
+
+
+def test_arms_share_everything_but_the_trainer_and_mhar(tmp_path):
+    cmds = {arm: arm_command(arm, tmp_path / arm, nproc=1, steps=12, smoke=False) for arm in ARMS}
+
+    def settings(cmd):
+        start = cmd.index("--job.config_file")
+        pairs = {}
+        for i in range(start, len(cmd)):
+            if cmd[i].startswith("--"):
+                pairs[cmd[i]] = tuple(v for v in cmd[i + 1 :][:2] if not v.startswith("--"))[:1]
+        return pairs
+
+    stock, control = settings(cmds["stock"]), settings(cmds["control"])
+    assert not any(k.startswith("--mhar.") for k in stock)
+    shared = {k: v for k, v in control.items() if not k.startswith("--mhar.") and k != "--job.dump_folder"}
+    assert {k: v for k, v in stock.items() if k != "--job.dump_folder"} == shared
+    assert control["--model.flavor"] == ("marin8b_16l",) and control["--training.seq_len"] == ("4096",)
+    assert "--compile.enable" in control and control["--mhar.num_blocks"] == ("4",)
+    assert "--mhar.enable" not in control
+    assert cmds["mhar_triton"][cmds["mhar_triton"].index("--mhar.backend") + 1] == "triton"
+    assert cmds["mhar_compile"][cmds["mhar_compile"].index("--mhar.backend") + 1] == "torch"
+    assert cmds["stock"][cmds["stock"].index("-m", 3) + 1] == "mhar_titan.stock_titan"
