@@ -16,11 +16,13 @@ import time
 
 import torch
 import torch.distributed as dist
+from torchtitan.tools.logging import logger
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL
 STOP_FILE = "STOP"
 MARKER_FILE = "preempted.json"
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_IMPORTED = time.time()  # about when this worker started; a STOP file older than that is stale
 
 
 class Preempted(SystemExit):
@@ -46,10 +48,13 @@ class PreemptionWatch:
         return os.path.join(self.dump_folder, STOP_FILE)
 
     def clear_stale_marker(self) -> None:
-        """Rank 0, at start: a marker from an earlier job must not make the launcher requeue this one."""
+        """Rank 0, at start: a marker or STOP file left by an earlier job must not requeue or stop this one."""
         path = os.path.join(self.dump_folder, MARKER_FILE)
         if os.path.exists(path):
             os.remove(path)
+        if os.path.exists(self.stop_file) and os.path.getmtime(self.stop_file) < _IMPORTED - 1:
+            logger.warning(f"{self.stop_file}: left by an earlier job; removed")
+            os.remove(self.stop_file)
 
     def requested(self, device: torch.device) -> str | None:
         """The reason to stop now, agreed by every rank (None: go on)."""

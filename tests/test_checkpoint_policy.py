@@ -1,7 +1,11 @@
 """Which checkpoints are loaded and which are purged: only complete ones count."""
 
 import queue
+import signal
 from types import SimpleNamespace
+
+import pytest
+import torch
 
 from mhar_titan import checkpoint
 from mhar_titan.checkpoint import CPTCheckpointManager, complete_steps
@@ -30,3 +34,47 @@ def test_purge_keeps_the_last_k_complete_and_every_mth_and_drops_unfinished_writ
         purged.append(int(manager.purge_queue.get().rsplit("step-", 1)[1]))
     # kept: 16, 18, 20 (last 3), 8 and 16 (every 8th), and 23 (newer than any complete one: maybe being written)
     assert sorted(purged) == [2, 4, 6, 7, 10, 12, 14]
+
+
+@pytest.fixture
+def own_signal_handlers():
+    """PreemptionWatch takes over SIGTERM/SIGUSR1: give pytest's back afterwards."""
+    from mhar_titan.preemption import SIGNALS
+
+    saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_a_stop_file_from_an_earlier_job_is_removed_and_a_new_one_kept(tmp_path, own_signal_handlers):
+    import os
+    import time
+
+    from mhar_titan.preemption import MARKER_FILE, STOP_FILE, PreemptionWatch
+
+    watch = PreemptionWatch(str(tmp_path))
+    (tmp_path / MARKER_FILE).write_text("{}")
+    (tmp_path / STOP_FILE).touch()
+    old = time.time() - 3600
+    os.utime(tmp_path / STOP_FILE, (old, old))
+    watch.clear_stale_marker()
+    assert not (tmp_path / MARKER_FILE).exists() and not (tmp_path / STOP_FILE).exists()
+    (tmp_path / STOP_FILE).touch()  # written by the launcher while this job starts: a real request
+    watch.clear_stale_marker()
+    assert (tmp_path / STOP_FILE).exists()
+    assert watch.requested(torch.device("cpu")) == "stop file"
+    watch.mark(12, "stop file")
+    assert not (tmp_path / STOP_FILE).exists()
+    assert '"step": 12' in (tmp_path / MARKER_FILE).read_text()
+
+
+def test_sigusr1_to_a_worker_is_a_stop_request(tmp_path, own_signal_handlers):
+    import os
+
+    from mhar_titan.preemption import PreemptionWatch
+
+    watch = PreemptionWatch(str(tmp_path))
+    assert watch.requested(torch.device("cpu")) is None
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert watch.requested(torch.device("cpu")) == "SIGUSR1"
