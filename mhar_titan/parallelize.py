@@ -31,7 +31,8 @@ def allow_routing_graphs(num_blocks: int) -> None:
     length of the `sources` list: blocks 0..num_blocks-1 see 1..num_blocks
     sources. Layer 0 may add one more graph: its input is the embedding, which is
     also sources[0], and Dynamo guards on that aliasing (the activation-checkpoint
-    wrapper hides it). So at most num_blocks + 1 graphs, whatever the depth: the
+    wrapper hides it). So at most num_blocks + 1 graphs for training, whatever the depth,
+    and as many again for validation, which runs without grad (a guard too): the
     recompile limit is raised to that bound.
     """
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, num_blocks + 1)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * (num_blocks + 1))

@@ -38,9 +38,13 @@ def test_per_block_compile_makes_a_bounded_number_of_graphs_and_matches_eager(ba
         for _ in range(2):  # the second pass must reuse the graphs
             out = compiled(tokens)
             out.float().pow(2).mean().backward()
-    # one graph per source count, plus layer 0 whose input aliases sources[0]; no graph breaks
-    assert counters["stats"]["unique_graphs"] == num_blocks + 1
+        # one graph per source count, plus layer 0 whose input aliases sources[0]; no graph breaks
+        assert counters["stats"]["unique_graphs"] == num_blocks + 1
+        with torch.no_grad():  # validation: the same graphs again without grad, none left to eager
+            evaluated = compiled(tokens)
+        assert counters["stats"]["unique_graphs"] == 2 * (num_blocks + 1)
     assert not counters["graph_break"]
+    torch.testing.assert_close(evaluated, out, rtol=0, atol=0)
 
     ref = eager(tokens)
     ref.float().pow(2).mean().backward()
