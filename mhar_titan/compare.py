@@ -21,10 +21,9 @@ from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
-from mhar_titan.tensorboard_scalars import LOSS_TAG, event_files
+from mhar_titan.tensorboard_scalars import LOSS_TAG, load_scalars
 
 Series = dict[int, float]
 
@@ -34,29 +33,6 @@ CHECKED = ("lr/decay", "tokens_seen")
 HEAD_STEPS = 5  # steps listed one by one at the start
 WARMUP_LOGS = 5  # tokens/s log points left out of the median (compilation, caches)
 DELTA_RUN = "delta"
-
-
-def load_scalars(run_dir: str | Path) -> dict[str, Series]:
-    """{tag: {step: value}} for every scalar of a run, reading each event file once.
-
-    Merges resumed files like `tensorboard_scalars.read_scalars` (later files replace repeated steps), which
-    reloads every file per tag: too slow for the ~200 tags of a long run.
-    """
-    parts: dict[str, list] = {}
-    for path in event_files(run_dir):
-        acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            events = acc.Scalars(tag)
-            if events:
-                parts.setdefault(tag, []).append((events[0].wall_time, events))
-    merged = {}
-    for tag, files in parts.items():
-        series: Series = {}
-        for _, events in sorted(files, key=lambda f: f[0]):
-            series.update((e.step, e.value) for e in events)
-        merged[tag] = dict(sorted(series.items()))
-    return merged
 
 
 def _t_central(t: float, df: int) -> float:

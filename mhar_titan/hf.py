@@ -36,7 +36,7 @@ from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 
 from mhar_titan.config import MHAR
-from mhar_titan.model import MHARModelArgs, MHARTransformer
+from mhar_titan.model import MHARModelArgs, MHARTransformer, build_on_cpu
 
 ROUTING_PARAMS = ("query", "norm_weight", "null", "gate")
 ROUTING_INIT = {"query": "zeros", "norm_weight": "ones", "null": "zeros", "gate": "zeros"}
@@ -466,11 +466,7 @@ def load_run_checkpoint(run_dir: str, step: int | None = None, *, ema: bool = Fa
 
     args, _ = run_model_args(run_dir)
     step_dir = checkpoint_step_dir(run_dir, step)
-    with torch.device("meta"):
-        model = MHARTransformer(args)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights()
+    model = build_on_cpu(args)
     state = model.state_dict()
     if ema:
         keys = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
@@ -496,11 +492,7 @@ def init_hf(out_dir: str, flavor: str, tokenizer_dir: str | None = None, seed: i
     args = copy.deepcopy(FLAVORS[flavor])
     args.mhar = MHAR()
     torch.manual_seed(seed)
-    with torch.device("meta"):
-        model = MHARTransformer(args)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights()
+    model = build_on_cpu(args)
     export_hf(model, out_dir, base_path=None, dtype=dtype)
     for name in TOKENIZER_FILES if tokenizer_dir else ():
         if os.path.exists(os.path.join(tokenizer_dir, name)):

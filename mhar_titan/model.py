@@ -189,3 +189,13 @@ class MHARTransformer(Transformer):
         self.routing_stats = torch.stack(stats).detach()
         h = self.norm(h)
         return self.output(h)
+
+
+def build_on_cpu(model_args: MHARModelArgs) -> MHARTransformer:
+    """The model with torchtitan's initialisation, built on meta and then materialised once on the CPU."""
+    with torch.device("meta"):
+        model = MHARTransformer(model_args)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights()
+    return model

@@ -2,7 +2,7 @@
 
 A request is SIGTERM or SIGUSR1 reaching a worker, or a file `<dump_folder>/STOP` (what the
 launchers write when they themselves are signalled: signals do not cross torchrun or srun
-reliably). All ranks agree on it at the step boundary (one scalar all-reduce), then the
+reliably). All ranks agree on it in the trainer's per-step all-reduce, then at the step boundary the
 trainer checkpoints, rank 0 writes `<dump_folder>/preempted.json`, and the workers exit with
 REQUEUE_EXIT_CODE; the launchers turn the marker into that exit code and SLURM requeues.
 """
@@ -14,8 +14,6 @@ import os
 import signal
 import time
 
-import torch
-import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL
@@ -56,15 +54,12 @@ class PreemptionWatch:
             logger.warning(f"{self.stop_file}: left by an earlier job; removed")
             os.remove(self.stop_file)
 
-    def requested(self, device: torch.device) -> str | None:
-        """The reason to stop now, agreed by every rank (None: go on)."""
-        local = self.signal_name or ("stop file" if os.path.exists(self.stop_file) else None)
-        flag = torch.tensor([0.0 if local is None else 1.0], device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
-            return None
-        return local or "another rank was signalled"
+    def local_request(self, check_file: bool = True) -> str | None:
+        """Why this process should stop (a signal it got, or the STOP file), or None; the trainer
+        makes every rank agree on it in its per-step all-reduce."""
+        if self.signal_name:
+            return self.signal_name
+        return "stop file" if check_file and os.path.exists(self.stop_file) else None
 
     def mark(self, step: int, reason: str) -> None:
         """Rank 0, after the checkpoint: tell the launcher to requeue."""

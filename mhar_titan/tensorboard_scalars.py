@@ -24,22 +24,31 @@ def event_files(run_dir: str | Path) -> list[Path]:
     return files
 
 
-def read_scalars(run_dir: str | Path, tag: str = LOSS_TAG) -> dict[int, float]:
-    """{step: value} for `tag`, merged over every event file of the run in write order."""
-    series = []
+def load_scalars(run_dir: str | Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} for every scalar of the run, merged over its event files in write order."""
+    parts: dict[str, list] = {}
     for path in event_files(run_dir):
         acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
         acc.Reload()
-        if tag in acc.Tags()["scalars"]:
+        for tag in acc.Tags()["scalars"]:
             events = acc.Scalars(tag)
             if events:
-                series.append((events[0].wall_time, events))
-    if not series:
+                parts.setdefault(tag, []).append((events[0].wall_time, events))
+    merged = {}
+    for tag, files in parts.items():
+        series: dict[int, float] = {}
+        for _, events in sorted(files, key=lambda f: f[0]):
+            series.update((e.step, e.value) for e in events)
+        merged[tag] = dict(sorted(series.items()))
+    return merged
+
+
+def read_scalars(run_dir: str | Path, tag: str = LOSS_TAG) -> dict[int, float]:
+    """{step: value} for `tag`, merged over every event file of the run in write order."""
+    scalars = load_scalars(run_dir)
+    if tag not in scalars:
         raise KeyError(f"tag {tag!r} not found in the event files under {run_dir}")
-    merged: dict[int, float] = {}
-    for _, events in sorted(series, key=lambda s: s[0]):
-        merged.update((e.step, e.value) for e in events)
-    return dict(sorted(merged.items()))
+    return scalars[tag]
 
 
 def main() -> None:

@@ -51,6 +51,7 @@ class CPTTrainer(Trainer):
         self.skipped_steps = 0
         self.clock = StepClock()
         self.preemption = PreemptionWatch(job_config.job.dump_folder)
+        self.stop_reason: str | None = None
         if torch.distributed.get_rank() == 0:
             self.preemption.clear_stale_marker()
         self._write_model_args()
@@ -100,8 +101,8 @@ class CPTTrainer(Trainer):
                         f"(training.max_bad_steps = {cfg.training.max_bad_steps}); stopped with a checkpoint "
                         "of the last good weights, optimizer and EMA (the data order has moved past the bad batches)"
                     )
-                if self.step < cfg.training.steps and (reason := self.preemption.requested(self.device)):
-                    self._stop_for_requeue(reason)
+                if self.step < cfg.training.steps and self.stop_reason:
+                    self._stop_for_requeue(self.stop_reason)
                 if profiler:
                     profiler.step()
                 if memory:
@@ -144,7 +145,8 @@ class CPTTrainer(Trainer):
             ep_enabled=self.parallel_dims.ep_enabled,
         )
         loss = torch.stack(losses).sum()  # this rank's share of the global mean
-        if self._all_finite(loss, grad_norm):
+        finite, self.stop_reason = self._agree(loss, grad_norm)
+        if finite:
             self.checkpointer.maybe_wait_for_staging()
             self.optimizers.step()
             if self.ema is not None:
@@ -160,12 +162,16 @@ class CPTTrainer(Trainer):
     def _batch_mesh(self):
         return self.parallel_dims.get_mesh("batch")
 
-    def _all_finite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        """Whether every rank's loss and the global gradient norm are finite (one scalar all-reduce)."""
-        bad = (~torch.isfinite(loss) | ~torch.isfinite(grad_norm)).float()
-        if self.parallel_dims.dp_enabled:
-            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX, group=self._batch_mesh().get_group())
-        return not bool(bad.item())
+    def _agree(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, str | None]:
+        """One MAX all-reduce a step: is every rank's loss and the gradient norm finite, and was any
+        rank asked to stop (a signal, or the STOP file, which rank 0 alone looks for)."""
+        asked = self.preemption.local_request(check_file=torch.distributed.get_rank() == 0)
+        bad = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
+        flags = torch.stack([bad.float(), loss.new_tensor(float(asked is not None))])
+        if torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        bad_any, stop_any = flags.tolist()
+        return not bad_any, (asked or "another rank was asked to stop") if stop_any else None
 
     def _report_bad_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, batch_from: int) -> None:
         self.bad_steps_in_a_row += 1
@@ -196,17 +202,14 @@ class CPTTrainer(Trainer):
         metrics = {f"data/{k}": v for k, v in gather_counters(self.dataloader).items()}
         loss_max = loss * global_tokens / local_tokens  # this rank's own mean
         seen = torch.tensor(float(self.ntokens_seen), dtype=torch.float64, device=loss.device)
-        stats = torch.stack([loss.double(), loss_max.double(), seen])
+        sums = torch.cat([torch.stack([loss.double(), seen]), parts.double() if parts is not None else seen[:0]])
+        loss_max = loss_max.double()
         if self.parallel_dims.dp_enabled:
             group = self._batch_mesh().get_group()
-            total = stats.clone()
-            torch.distributed.all_reduce(total, group=group)
-            peak = stats.clone()
-            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX, group=group)
-            stats = torch.stack([total[0], peak[1], total[2]])
-            if parts is not None:
-                torch.distributed.all_reduce(parts, group=group)
-        loss_v, loss_max_v, tokens_seen = stats.tolist()
+            torch.distributed.all_reduce(sums, group=group)
+            torch.distributed.all_reduce(loss_max, op=torch.distributed.ReduceOp.MAX, group=group)
+        loss_v, tokens_seen, *part_sums = sums.tolist()
+        loss_max_v = loss_max.item()
         metrics.update(
             {
                 "train/loss": loss_v,
@@ -216,8 +219,8 @@ class CPTTrainer(Trainer):
                 "train/skipped_steps": self.skipped_steps,
             }
         )
-        if parts is not None:  # CE and z-loss of this step, per valid token over all ranks
-            ce, z, tokens = parts.tolist()
+        if part_sums:  # CE and z-loss of this step, per valid token over all ranks
+            ce, z, tokens = part_sums
             metrics.update({"train/ce": ce / tokens, "train/z_loss": z / tokens})
         groups = self.optimizers.optimizers[0].param_groups
         metrics.update({f"lr/{g['name']}": g["lr"] for g in groups})

@@ -5,7 +5,6 @@ import signal
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from mhar_titan import checkpoint
 from mhar_titan.checkpoint import CPTCheckpointManager, complete_steps
@@ -63,7 +62,7 @@ def test_a_stop_file_from_an_earlier_job_is_removed_and_a_new_one_kept(tmp_path,
     (tmp_path / STOP_FILE).touch()  # written by the launcher while this job starts: a real request
     watch.clear_stale_marker()
     assert (tmp_path / STOP_FILE).exists()
-    assert watch.requested(torch.device("cpu")) == "stop file"
+    assert watch.local_request() == "stop file"
     watch.mark(12, "stop file")
     assert not (tmp_path / STOP_FILE).exists()
     assert '"step": 12' in (tmp_path / MARKER_FILE).read_text()
@@ -75,6 +74,6 @@ def test_sigusr1_to_a_worker_is_a_stop_request(tmp_path, own_signal_handlers):
     from mhar_titan.preemption import PreemptionWatch
 
     watch = PreemptionWatch(str(tmp_path))
-    assert watch.requested(torch.device("cpu")) is None
+    assert watch.local_request() is None
     os.kill(os.getpid(), signal.SIGUSR1)
-    assert watch.requested(torch.device("cpu")) == "SIGUSR1"
+    assert watch.local_request() == "SIGUSR1"

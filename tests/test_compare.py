@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from mhar_titan.compare import compare, load_scalars, main, paired_ci, t_quantile
-from mhar_titan.tensorboard_scalars import event_files, read_scalars
+from mhar_titan.compare import compare, main, paired_ci, t_quantile
+from mhar_titan.tensorboard_scalars import event_files, load_scalars, read_scalars
 
 N, SIGMA = 2000, 0.02
 FIRST_DELTA = 2.0**-16  # 2.5 and 2.5 + 2**-16 are both exact in float32

@@ -16,7 +16,7 @@ from data.shards import list_shards
 from mhar_titan.config import MHAR
 from mhar_titan.ema import WeightEMA, plain_name
 from mhar_titan.loss import ZLossCrossEntropy
-from mhar_titan.model import MHARTransformer
+from mhar_titan.model import MHARTransformer, build_on_cpu
 from mhar_titan.train_spec import FLAVORS
 from mhar_titan.validate import FixedSetValidator
 
@@ -25,11 +25,8 @@ def tiny_model(seed: int, mhar: bool = True) -> MHARTransformer:
     args = copy.deepcopy(FLAVORS["tiny"])
     args.mhar = MHAR(enable=mhar, num_heads=4, num_blocks=2, backend="torch")
     torch.manual_seed(seed)
-    with torch.device("meta"):
-        model = MHARTransformer(args)
-    model.to_empty(device="cpu")
+    model = build_on_cpu(args)
     with torch.no_grad():
-        model.init_weights()
         for p in model.parameters():  # gates and queries away from their zero init
             p.add_(0.01 * torch.randn_like(p))
     return model

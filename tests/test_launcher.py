@@ -120,11 +120,8 @@ def test_dump_folder_defaults_to_torchtitan_outputs(tmp_path):
     assert run(SCRIPT, "--print-dump-folder", str(config)).stdout == "./outputs\n"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
-def test_signal_becomes_stop_file_and_exit_75(tmp_path, fake_python, sig):
-    dump = tmp_path / "run"
-    env = {**os.environ, "PYTHON": fake_python, "FAKE_MODE": "wait_stop"}
-    cmd = [SCRIPT, "--nproc", "1", CONTROL, "--job.dump_folder", str(dump)]
+def signal_once_launched(cmd: list[str], env: dict[str, str], dump, sig) -> tuple[subprocess.Popen, str]:
+    """Start `cmd`, send `sig` once the fake torchrun has started, and return the process and its stderr."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 10
@@ -136,6 +133,15 @@ def test_signal_becomes_stop_file_and_exit_75(tmp_path, fake_python, sig):
         _, err = proc.communicate(timeout=20)
     finally:
         proc.kill()
+    return proc, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
+def test_signal_becomes_stop_file_and_exit_75(tmp_path, fake_python, sig):
+    dump = tmp_path / "run"
+    env = {**os.environ, "PYTHON": fake_python, "FAKE_MODE": "wait_stop"}
+    cmd = [SCRIPT, "--nproc", "1", CONTROL, "--job.dump_folder", str(dump)]
+    proc, err = signal_once_launched(cmd, env, dump, sig)
     assert (dump / "STOP").exists()
     assert (dump / "preempted.json").exists()
     assert proc.returncode == 75, err
@@ -395,17 +401,7 @@ def test_sbatch_signal_stops_the_trainer(tmp_path, fake_slurm, fake_python, sig,
     dump = tmp_path / "run"
     env = {**fake_slurm, "PYTHON": fake_python, "FAKE_MODE": "wait_stop"}
     cmd = [SBATCH, CONTROL, "--job.dump_folder", str(dump)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 10
-        while not (dump / "launched").exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the fake torchrun never started"
-            time.sleep(0.02)
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=20)
-    finally:
-        proc.kill()
+    proc, err = signal_once_launched(cmd, env, dump, sig)
     assert (dump / "STOP").exists()
     assert proc.returncode == 75, err
     assert (tmp_path / "requeued").exists() == requeued, err
