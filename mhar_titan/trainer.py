@@ -112,6 +112,11 @@ class CPTTrainer(Trainer):
                         timeout=timedelta(seconds=cfg.comm.train_timeout_seconds), parallel_dims=self.parallel_dims
                     )
                     first = False
+        # Every rank done with its collectives before any tears down, and rank 0 last out, as in
+        # torchtitan's loop: a rank leaving early can abort a peer still closing its gloo pairs.
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            time.sleep(2)
         logger.info("Training completed")
 
     def _stop_for_requeue(self, reason: str) -> None:
