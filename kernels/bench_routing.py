@@ -157,7 +157,8 @@ def sweep_case(fns: dict[str, Callable], args, bw: float, d: int, n: int) -> Non
 
 
 def tune(args, bw: float) -> None:
-    """Time forward and backward kernels alone for launch shapes (one call, N=9, the 8B width)."""
+    """Time launch shapes of each kernel (one call, N=9, the 8B width): the forward alone,
+    and the whole backward while one of its kernels' shapes varies."""
     import itertools
 
     from kernels import routing_triton as rt
@@ -166,22 +167,30 @@ def tune(args, bw: float) -> None:
     d, n = args.dim, 9
     x = torch.randn(args.batch, args.seq, d, **dev)
     srcs = [torch.randn_like(x) for _ in range(n - 1)]
-    z, q, g = (torch.randn(d, **dev) for _ in range(3))
+    z, q, g = (0.5 * torch.randn(d, **dev) for _ in range(3))
     gate = torch.randn(1, **dev)
-    _, w = rt._forward(x, srcs, z, q, g, gate, args.heads, 1e-5)
     dout = torch.randn_like(x)
-    fwd_bytes = (n + 1) * x.numel() * x.element_size()
-    bwd_bytes = (1 + 3 * (n - 1)) * x.numel() * x.element_size()  # dout, two reads and a write per source
-    print("| kernel | programs/SM | warps/4096 | ms | bytes / ms vs copy bw |")
-    print("|---|---|---|---|---|")
-    for per_sm, warps in itertools.product((8, 16, 32, 64), (4, 8)):
-        rt.FWD.update(programs_per_sm=per_sm, warps_per_4096=warps)
+    unit = x.numel() * x.element_size()
+    fwd_bytes = (n + 1) * unit
+    bwd_bytes = (2 + 3 * (n - 1)) * unit  # dout twice, each source twice, each gradient once
+    defaults = {name: dict(getattr(rt, name)) for name in ("FWD", "STATS", "MIX")}
+    print("| kernel | launch | ms | bytes / ms vs copy bw |")
+    print("|---|---|---|---|")
+    for rows, warps in itertools.product((1, 2, 4), (4, 8, 16)):
+        rt.FWD.update(rows=rows, warps_per_4096=warps)
         ms = timed(lambda: rt._forward(x, srcs, z, q, g, gate, args.heads, 1e-5), 10)
-        print(f"| fwd | {per_sm} | {warps} | {ms:.3f} | {fwd_bytes / (ms * 1e-3) / bw:.0%} |")
-    for per_sm, warps in itertools.product((4, 8, 16, 32), (4, 8)):
-        rt.BWD.update(programs_per_sm=per_sm, warps_per_4096=warps)
-        ms = timed(lambda: rt._backward(dout, srcs, z, q, g, gate, w, args.heads, 1e-5), 10)
-        print(f"| bwd | {per_sm} | {warps} | {ms:.3f} | {bwd_bytes / (ms * 1e-3) / bw:.0%} |")
+        print(f"| fwd | rows {rows}, {warps} warps | {ms:.3f} | {fwd_bytes / (ms * 1e-3) / bw:.0%} |")
+    rt.FWD.update(defaults["FWD"])
+    for rows, warps in itertools.product((1, 2, 4), (4, 8, 16)):
+        rt.STATS.update(rows=rows, warps_per_4096=warps)
+        ms = timed(lambda: rt._backward(dout, srcs, z, q, g, gate, args.heads, 1e-5), 10)
+        print(f"| bwd | stats rows {rows}, {warps} warps | {ms:.3f} | {bwd_bytes / (ms * 1e-3) / bw:.0%} |")
+    rt.STATS.update(defaults["STATS"])
+    for block_m, block_kc, warps in itertools.product((16, 32, 64), (64, 128, 256), (4, 8)):
+        rt.MIX.update(block_m=block_m, block_kc=block_kc, warps=warps)
+        ms = timed(lambda: rt._backward(dout, srcs, z, q, g, gate, args.heads, 1e-5), 10)
+        print(f"| bwd | mix {block_m}x{block_kc}, {warps} warps | {ms:.3f} | {bwd_bytes / (ms * 1e-3) / bw:.0%} |")
+    rt.MIX.update(defaults["MIX"])
 
 
 def profile(args) -> None:

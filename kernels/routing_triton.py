@@ -2,17 +2,28 @@
 
 Forward: one pass over the sources per token row, all heads at once; online
 softmax, the full-width RMS norm fused, fp32 statistics, the null source read
-as one vector per program. Saves only the routing weights [N, M, H] (fp32).
+as one vector. Returns the routing weights [N, M, H] (fp32) beside the output.
 
-Backward: two passes over the sources per row (the first gathers the per-head
-dot products the softmax gradient couples, the second writes each source's
-gradient), the norm recomputed. Weight gradients (query, norm weight, null,
-gate) are per-program partials that a finishing kernel sums in a fixed order: no
-atomics, so repeated runs are bitwise identical.
+Backward, three kernels, none with atomics (repeated runs are bitwise equal):
+- stats: one pass over the sources per row (row-wide reductions only) that
+  recomputes the softmax from the inputs and writes, per source, row and head,
+  the three coefficients the gradient is linear in;
+- mix: a streaming kernel over (row block, column block) tiles, with no row-wide
+  reduction, that writes every source's gradient and per-block partial sums of
+  the weight gradients;
+- finish: sums those partials in a fixed order.
+The backward needs only the op's inputs: nothing but them is saved, so per-call
+activation checkpointing has nothing else to keep.
 
 Registered as `torch.ops.mhar.route_fwd` / `route_bwd` custom ops with autograd,
 so torch.compile keeps them in its graph instead of breaking at every call; eager
 calls go through a plain autograd.Function over the same launchers.
+
+Registers bound these kernels (each row's tiles live in them): the forward keeps
+no parameter tile resident (query, norm weight and null are re-read from L1),
+and the backward's weight-gradient accumulators live in the mix kernel, which
+has no row-wide state. `python -m kernels.compile_report` prints registers and
+spills per kernel for sm_90 without a GPU.
 """
 
 from __future__ import annotations
@@ -36,17 +47,9 @@ def _row_tile_offsets(BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, H: tl.conste
 
 
 @triton.jit
-def _load(ptr, mask, EVEN: tl.constexpr):
-    """A row tile as fp32; unmasked when the tile shape is exact (EVEN), which saves
-    the mask registers and instructions at the 8B shapes."""
-    if EVEN:
-        return tl.load(ptr).to(tl.float32)
-    return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _load_raw(ptr, mask, EVEN: tl.constexpr):
-    """A row tile in its storage dtype: issued early (prefetch) and widened where used."""
+    """A tile in its storage dtype, unmasked when its shape is exact (EVEN): issued
+    early (prefetch) and widened where used."""
     if EVEN:
         return tl.load(ptr)
     return tl.load(ptr, mask=mask, other=0.0)
@@ -69,6 +72,29 @@ def _cast_to(val, PTR):
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return val.to(PTR.dtype.element_ty)
+
+
+@triton.jit
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _add3(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, c0 + c1
+
+
+@triton.jit
+def _param(PTR, cols, mask):
+    return tl.load(PTR + cols, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _null_logit(NULL, Q, G, cols, mask, D: tl.constexpr, eps):
+    """The null source's logit per head, the same for every row."""
+    z = _param(NULL, cols, mask)
+    zz, zq = tl.reduce((z * z, z * _param(Q, cols, mask) * _param(G, cols, mask)), 1, _add2)
+    return zq * tl.rsqrt(tl.sum(zz) / D + eps)
 
 
 @triton.jit
@@ -97,11 +123,7 @@ def _route_fwd_kernel(
     nn = tl.arange(0, BLOCK_N)[:, None]
     hw = tl.arange(0, BLOCK_H)[None, :]
     w_mask = (nn < NUM_SRC + 1) & (hw < H)
-
-    qg = tl.load(Q + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(G + cols, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(NULL + cols, mask=mask, other=0.0).to(tl.float32)
-    z_rstd = tl.rsqrt(tl.sum(z * z) / D + eps)
-    z_logit = tl.sum(z * qg, axis=1) * z_rstd  # [BLOCK_H], the same for every row
+    z_logit = _null_logit(NULL, Q, G, cols, mask, D, eps)
     gate = tl.load(GATE).to(tl.float32)
 
     start = tl.program_id(0).to(tl.int64) * ROWS
@@ -109,10 +131,12 @@ def _route_fwd_kernel(
         row = start + r
         row_mask = mask & (row < M)
         base = row * D
-        # online softmax over [null, sources...], per head
+        # Online softmax over [null, sources...] per head. The null source enters the
+        # running max and denominator from the start but the accumulator only at the
+        # end, so its tile is not held in registers across the loop.
         m = z_logit
         den = tl.full([BLOCK_H], 1.0, tl.float32)
-        acc = z
+        acc = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
         logits = tl.where(nn == 0, z_logit[None, :], 0.0)
         # Each source's load is issued one iteration ahead, so it overlaps the
         # reductions of the previous one.
@@ -123,8 +147,9 @@ def _route_fwd_kernel(
                 s_next = _load_raw(SRCS[i + 1] + base + cols, row_mask, EVEN)
             else:
                 s_next = _load_raw(X + base + cols, row_mask, EVEN)
-            rstd = tl.rsqrt(tl.sum(s * s) / D + eps)
-            lg = tl.sum(s * qg, axis=1) * rstd
+            qg = _param(Q, cols, mask) * _param(G, cols, mask)
+            ss, sq = tl.reduce((s * s, s * qg), 1, _add2)  # one reduction for both
+            lg = sq * tl.rsqrt(tl.sum(ss) / D + eps)
             m_new = tl.maximum(m, lg)
             alpha = tl.exp(m - m_new)
             p = tl.exp(lg - m_new)
@@ -132,27 +157,22 @@ def _route_fwd_kernel(
             acc = acc * alpha[:, None] + s * p[:, None]
             m = m_new
             logits = tl.where(nn == i + 1, lg[None, :], logits)
-        x = s_next.to(tl.float32)
-        out = x + gate * (acc / den[:, None])
+        acc += tl.exp(z_logit - m)[:, None] * _param(NULL, cols, mask)
+        out = s_next.to(tl.float32) + gate * (acc / den[:, None])
         _store(OUT + base + cols, out, row_mask, EVEN)
         w = tl.exp(logits - m[None, :]) / den[None, :]
         tl.store(W + nn * (M * H) + row * H + hw, w, mask=w_mask & (row < M))
 
 
 @triton.jit
-def _route_bwd_kernel(
+def _route_bwd_stats_kernel(
     DOUT,
     SRCS,
-    DSRCS,
     NULL,
     Q,
     G,
     GATE,
-    W,
-    T_PART,
-    W0DO_PART,
-    DL0_PART,
-    DGATE_PART,
+    COEF,
     M,
     eps,
     D: tl.constexpr,
@@ -165,74 +185,119 @@ def _route_bwd_kernel(
     ROWS: tl.constexpr,
     EVEN: tl.constexpr,
 ):
-    # Per row, with c_n = <dout_h, s_n,h>, a_n = <(q g)_h, s_n,h>, dot = sum_n w_n c_n:
-    #   dl_n = gate * w_n * (c_n - dot)                       (softmax backward)
-    #   ds_n = gate w_n dout + rstd_n (q g) dl_n - s_n rstd_n^3 sum_h(dl_n a_n) / D
-    #   query/norm weight: sum over rows and sources of dl_n rstd_n s_n, times g or q
-    #   null: gate w_0 dout summed over rows, plus its norm term from sum over rows of dl_0
-    #   gate: sum over rows of dot
+    # Per row and head, with c_n = <dout_h, s_n,h>, a_n = <(q g)_h, s_n,h>, w = softmax_n(a_n rstd_n)
+    # (null: its own logit), dot = sum_n w_n c_n, dl_n = gate w_n (c_n - dot):
+    #   ds_n = A_n dout + B_n (q g) - C_n s_n   with   A_n = gate w_n,  B_n = rstd_n dl_n,
+    #   C_n = rstd_n^3 sum_h(dl_n a_n) / D,
+    # and the weight gradients are sums over rows of B_n s_n (query, norm weight), A_0 dout (null),
+    # dl_0 (the null's norm term) and dot (gate). COEF[k, n, row, h] holds A, B, C for sources
+    # n >= 1; for the null (n = 0): A_0, dl_0 and dot.
     cols, mask = _row_tile_offsets(BLOCK_H, BLOCK_K, H, K)
     nn = tl.arange(0, BLOCK_N)[:, None]
     hw = tl.arange(0, BLOCK_H)[None, :]
-    w_mask = (nn < NUM_SRC + 1) & (hw < H)
-
-    qg = tl.load(Q + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(G + cols, mask=mask, other=0.0).to(tl.float32)
+    c_mask = (nn < NUM_SRC + 1) & (hw < H)
+    z_logit = _null_logit(NULL, Q, G, cols, mask, D, eps)
     gate = tl.load(GATE).to(tl.float32)
-    z = tl.load(NULL + cols, mask=mask, other=0.0).to(tl.float32)
+    plane = (NUM_SRC + 1) * M * H
 
-    t_acc = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
-    w0do_acc = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
-    dl0_acc = tl.zeros([BLOCK_H], tl.float32)
-    dgate_acc = tl.zeros([BLOCK_H], tl.float32)
-
-    pid = tl.program_id(0)
-    start = pid.to(tl.int64) * ROWS
+    start = tl.program_id(0).to(tl.int64) * ROWS
     for r in range(ROWS):
         row = start + r
         row_mask = mask & (row < M)
         base = row * D
-        do = _load(DOUT + base + cols, row_mask, EVEN)
-        w = tl.load(W + nn * (M * H) + row * H + hw, mask=w_mask & (row < M), other=0.0)
-        # pass 1: per-head dot products with dout and with (q g), and each source's rstd
-        c = tl.where(nn == 0, tl.sum(do * z, axis=1)[None, :], 0.0)
+        do = _load_raw(DOUT + base + cols, row_mask, EVEN).to(tl.float32)
+        s_next = _load_raw(SRCS[0] + base + cols, row_mask, EVEN)
+        c = tl.where(nn == 0, tl.sum(do * _param(NULL, cols, mask), axis=1)[None, :], 0.0)
+        lg = tl.where(nn == 0, z_logit[None, :], float("-inf"))
         a = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
         rstds = tl.zeros([BLOCK_N, 1], tl.float32)
-        s_next = _load_raw(SRCS[0] + base + cols, row_mask, EVEN)
-        for i in tl.static_range(NUM_SRC):
-            s = s_next.to(tl.float32)
-            # prefetch the next source, or source 0 again for pass 2
-            s_next = _load_raw(SRCS[(i + 1) % NUM_SRC] + base + cols, row_mask, EVEN)
-            rstd = tl.rsqrt(tl.sum(s * s) / D + eps)
-            c = tl.where(nn == i + 1, tl.sum(do * s, axis=1)[None, :], c)
-            a = tl.where(nn == i + 1, tl.sum(s * qg, axis=1)[None, :], a)
-            rstds = tl.where(nn == i + 1, rstd, rstds)
-        dot = tl.sum(w * c, axis=0)  # [BLOCK_H]
-        dl = gate * w * (c - dot[None, :])  # [BLOCK_N, BLOCK_H]
-        dgate_acc += dot
-        w0 = tl.sum(tl.where(nn == 0, w, 0.0), axis=0)
-        w0do_acc += w0[:, None] * do
-        dl0_acc += tl.sum(tl.where(nn == 0, dl, 0.0), axis=0)
-        # pass 2: each source's gradient
         for i in tl.static_range(NUM_SRC):
             s = s_next.to(tl.float32)
             if i + 1 < NUM_SRC:
                 s_next = _load_raw(SRCS[i + 1] + base + cols, row_mask, EVEN)
+            qg = _param(Q, cols, mask) * _param(G, cols, mask)
+            ss, sd, sq = tl.reduce((s * s, s * do, s * qg), 1, _add3)
+            rstd = tl.rsqrt(tl.sum(ss) / D + eps)
             sel = nn == i + 1
-            w_i = tl.sum(tl.where(sel, w, 0.0), axis=0)
-            dl_i = tl.sum(tl.where(sel, dl, 0.0), axis=0)
-            a_i = tl.sum(tl.where(sel, a, 0.0), axis=0)
-            rstd = tl.sum(tl.where(sel, rstds, 0.0))
-            coupling = tl.sum(dl_i * a_i) * rstd * rstd * rstd / D
-            ds = gate * w_i[:, None] * do + rstd * qg * dl_i[:, None] - s * coupling
-            _store(DSRCS[i] + base + cols, ds, row_mask, EVEN)
-            t_acc += (dl_i * rstd)[:, None] * s
+            c = tl.where(sel, sd[None, :], c)
+            a = tl.where(sel, sq[None, :], a)
+            lg = tl.where(sel, (sq * rstd)[None, :], lg)
+            rstds = tl.where(sel, rstd, rstds)
+        e = tl.exp(lg - tl.max(lg, axis=0)[None, :])
+        w = e / tl.sum(e, axis=0)[None, :]
+        dot = tl.sum(w * c, axis=0)
+        dl = gate * w * (c - dot[None, :])
+        coupling = tl.sum(dl * a, axis=1)[:, None] * rstds * rstds * rstds / D
+        offs = nn * (M * H) + row * H + hw
+        valid = c_mask & (row < M)
+        tl.store(COEF + offs, gate * w, mask=valid)
+        tl.store(COEF + plane + offs, tl.where(nn == 0, dl, dl * rstds), mask=valid)
+        tl.store(COEF + 2 * plane + offs, tl.where(nn == 0, dot[None, :], coupling), mask=valid)
 
-    part = pid.to(tl.int64) * D
-    tl.store(T_PART + part + cols, t_acc, mask=mask)
-    tl.store(W0DO_PART + part + cols, w0do_acc, mask=mask)
-    hv = tl.arange(0, BLOCK_H)
-    tl.store(DL0_PART + pid.to(tl.int64) * H + hv, dl0_acc, mask=hv < H)
-    tl.store(DGATE_PART + pid, tl.sum(dgate_acc))
+
+@triton.jit
+def _route_bwd_mix_kernel(
+    DOUT,
+    SRCS,
+    DSRCS,
+    Q,
+    G,
+    COEF,
+    T_PART,
+    W0DO_PART,
+    DL0_PART,
+    DGATE_PART,
+    M,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    NUM_SRC: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_KC: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """One [BLOCK_M rows, BLOCK_KC columns] tile of one head: every source's gradient from
+    the per-row coefficients, and this row block's partial sums of the weight gradients."""
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
+    chunks: tl.constexpr = (K + BLOCK_KC - 1) // BLOCK_KC
+    h = cb // chunks
+    kc = (cb % chunks) * BLOCK_KC + tl.arange(0, BLOCK_KC)
+    rows = rb.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col = h * K + kc
+    row_ok = rows < M
+    tile = rows[:, None] * D + col[None, :]
+    mask = row_ok[:, None] & (kc < K)[None, :]
+    plane = (NUM_SRC + 1) * M * H
+    coef = COEF + rows * H + h
+
+    do = _load_raw(DOUT + tile, mask, EVEN).to(tl.float32)
+    s_next = _load_raw(SRCS[0] + tile, mask, EVEN)
+    qg = (_param(Q, col, kc < K) * _param(G, col, kc < K))[None, :]
+    a0 = tl.load(coef, mask=row_ok, other=0.0)
+    t = tl.zeros([BLOCK_M, BLOCK_KC], tl.float32)
+    for i in tl.static_range(NUM_SRC):
+        s = s_next.to(tl.float32)
+        if i + 1 < NUM_SRC:
+            s_next = _load_raw(SRCS[i + 1] + tile, mask, EVEN)
+        n_off = (i + 1) * M * H
+        a_n = tl.load(coef + n_off, mask=row_ok, other=0.0)[:, None]
+        b_n = tl.load(coef + plane + n_off, mask=row_ok, other=0.0)[:, None]
+        c_n = tl.load(coef + 2 * plane + n_off, mask=row_ok, other=0.0)[:, None]
+        _store(DSRCS[i] + tile, a_n * do + b_n * qg - c_n * s, mask, EVEN)
+        t += b_n * s
+    part = rb.to(tl.int64) * D + col
+    tl.store(T_PART + part, tl.sum(t, axis=0), mask=kc < K)
+    tl.store(W0DO_PART + part, tl.sum(a0[:, None] * do, axis=0), mask=kc < K)
+    if cb == 0:
+        # this row block's sums over rows of dl_0 (per head) and of dot (over heads)
+        hv = tl.arange(0, BLOCK_H)[None, :]
+        head_mask = row_ok[:, None] & (hv < H)
+        null_rows = COEF + rows[:, None] * H + hv
+        dl0 = tl.sum(tl.load(null_rows + plane, mask=head_mask, other=0.0), axis=0)
+        tl.store(DL0_PART + rb * H + tl.arange(0, BLOCK_H), dl0, mask=tl.arange(0, BLOCK_H) < H)
+        tl.store(DGATE_PART + rb, tl.sum(tl.load(null_rows + 2 * plane, mask=head_mask, other=0.0)))
 
 
 @triton.jit
@@ -244,7 +309,6 @@ def _route_bwd_finish_kernel(
     NULL,
     Q,
     G,
-    GATE,
     DZ,
     DQ,
     DG,
@@ -259,7 +323,7 @@ def _route_bwd_finish_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """Sums the backward's per-program partials in a fixed order and finishes the
+    """Sums the mix kernel's per-row-block partials in a fixed order and finishes the
     weight gradients; the null source's norm term depends on the rows only through
     sum_rows dl_0. Each program owns BLOCK_C columns."""
     pid = tl.program_id(0)
@@ -274,12 +338,10 @@ def _route_bwd_finish_kernel(
         dgate += tl.load(DGATE_PART + pp, mask=pp < P, other=0.0)
 
     cols, mask = _row_tile_offsets(BLOCK_H, BLOCK_K, H, K)
-    z2 = tl.load(NULL + cols, mask=mask, other=0.0).to(tl.float32)
-    qg2 = tl.load(Q + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(G + cols, mask=mask, other=0.0).to(
-        tl.float32
-    )
+    z2 = _param(NULL, cols, mask)
     z_rstd = tl.rsqrt(tl.sum(z2 * z2) / D + eps)
-    coupling = tl.sum(dl0 * tl.sum(qg2 * z2, axis=1)) * z_rstd * z_rstd * z_rstd / D
+    a0 = tl.sum(_param(Q, cols, mask) * _param(G, cols, mask) * z2, axis=1)
+    coupling = tl.sum(dl0 * a0) * z_rstd * z_rstd * z_rstd / D
 
     cc = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cc < D
@@ -292,55 +354,135 @@ def _route_bwd_finish_kernel(
         t += tl.sum(tl.load(T_PART + offs, mask=pmask, other=0.0), axis=0)
         w0do += tl.sum(tl.load(W0DO_PART + offs, mask=pmask, other=0.0), axis=0)
     dl0_c = tl.sum(tl.where((cc // K)[None, :] == hv[:, None], dl0[:, None], 0.0), axis=0)
-    z = tl.load(NULL + cc, mask=cmask, other=0.0).to(tl.float32)
-    q = tl.load(Q + cc, mask=cmask, other=0.0).to(tl.float32)
-    g = tl.load(G + cc, mask=cmask, other=0.0).to(tl.float32)
-    gate = tl.load(GATE).to(tl.float32)
+    z = _param(NULL, cc, cmask)
+    q = _param(Q, cc, cmask)
+    g = _param(G, cc, cmask)
     tl.store(DQ + cc, _cast_to(t * g + dl0_c * z_rstd * z * g, DQ), mask=cmask)
     tl.store(DG + cc, _cast_to(t * q + dl0_c * z_rstd * z * q, DG), mask=cmask)
-    tl.store(DZ + cc, _cast_to(gate * w0do + z_rstd * q * g * dl0_c - z * coupling, DZ), mask=cmask)
+    tl.store(DZ + cc, _cast_to(w0do + z_rstd * q * g * dl0_c - z * coupling, DZ), mask=cmask)
     tl.store(DGATE, _cast_to(tl.sum(dgate), DGATE), mask=pid == 0)
 
 
-def _launch_shape(d: int, num_heads: int, num_sources: int) -> dict[str, int]:
+# Launch shapes (measured on an H200, see docs/performance.md; `python -m kernels.bench_routing
+# --tune` times the alternatives). Row kernels: rows each program walks and warps per 4096
+# columns. Mix kernel: tile rows, tile columns (within one head) and warps.
+FWD = {"rows": 2, "warps_per_4096": 8}
+STATS = {"rows": 1, "warps_per_4096": 4}
+MIX = {"block_m": 32, "block_kc": 64, "warps": 4}
+
+
+class _Launcher:
+    """Launches a jitted kernel through its compiled binary once Triton has built it.
+
+    Triton's own launch binds and specialises every argument in Python on each call
+    (about 0.1 ms with a tuple of source pointers, measured: more than the kernels take).
+    Here the binary is looked up by what Triton specialises on (dtypes, 16-byte
+    alignment of each pointer, integers equal to 1 or divisible by 16), and the first
+    call of each key goes through Triton, which compiles and launches it.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.binaries: dict[tuple, object] = {}
+
+    @staticmethod
+    def _key(arg) -> object:
+        if isinstance(arg, torch.Tensor):
+            return arg.dtype, arg.data_ptr() % 16 == 0
+        if isinstance(arg, tuple):
+            return tuple(_Launcher._key(a) for a in arg)
+        if isinstance(arg, bool) or not isinstance(arg, int):
+            return None
+        return arg == 1, arg % 16 == 0, arg >= 2**31
+
+    def __call__(self, grid: tuple[int, ...], num_warps: int, consts: dict, *args) -> None:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            self.fn[grid](*args, num_warps=num_warps, **consts)
+            return
+        device = torch.cuda.current_device()
+        key = (device, num_warps, tuple(consts.items()), tuple(self._key(a) for a in args))
+        binary = self.binaries.get(key)
+        if binary is None:
+            if list(consts) != self.fn.arg_names[len(args) :]:  # the binary takes them positionally
+                raise RuntimeError(f"{self.fn.__name__}: constexprs {list(consts)} out of signature order")
+            self.binaries[key] = self.fn[grid](*args, num_warps=num_warps, **consts)
+            return
+        grid = (*grid, 1, 1)
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        binary.run(
+            grid[0], grid[1], grid[2], stream, binary.function, binary.packed_metadata, None, None, None,
+            *args, *consts.values(),
+        )  # fmt: skip
+
+
+_launch_fwd = _Launcher(_route_fwd_kernel)
+_launch_stats = _Launcher(_route_bwd_stats_kernel)
+_launch_mix = _Launcher(_route_bwd_mix_kernel)
+_launch_finish = _Launcher(_route_bwd_finish_kernel)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def _row_launch(m: int, d: int, num_heads: int, num_sources: int, rows: int, warps_per_4096: int) -> tuple:
+    """(grid, num_warps, constexprs) of a row kernel; cached per shape, since computing it
+    costs more Python time per call than launching the kernel."""
     k = d // num_heads
-    return {
+    exact = m % rows == 0 and _pow2(num_heads) == num_heads and _pow2(k) == k
+    consts = {
         "D": d,
         "H": num_heads,
         "K": k,
         "NUM_SRC": num_sources,
-        "BLOCK_H": triton.next_power_of_2(num_heads),
-        "BLOCK_K": triton.next_power_of_2(k),
-        "BLOCK_N": triton.next_power_of_2(num_sources + 1),
+        "BLOCK_H": _pow2(num_heads),
+        "BLOCK_K": _pow2(k),
+        "BLOCK_N": _pow2(num_sources + 1),
+        "ROWS": rows,
+        "EVEN": exact,
     }
-
-
-# Launch shapes (measured on an H200, see docs/performance.md): programs per SM (each
-# walks a power-of-two number of rows) and warps per 4096 columns.
-FWD = {"programs_per_sm": 32, "warps_per_4096": 4}
-BWD = {"programs_per_sm": 4, "warps_per_4096": 8}
-
-
-def _even(m: int, rows: int, d: int, num_heads: int) -> bool:
-    """Tiles need no masks: power-of-two heads and head width, whole row blocks."""
-    k = d // num_heads
-    return m % rows == 0 and triton.next_power_of_2(num_heads) == num_heads and triton.next_power_of_2(k) == k
-
-
-def _num_warps(d: int, warps_per_4096: int) -> int:
-    return max(1, min(16, triton.next_power_of_2(triton.cdiv(d * warps_per_4096, 4096))))
+    warps = max(1, min(16, _pow2(_cdiv(d * warps_per_4096, 4096))))
+    return (_cdiv(m, rows),), warps, consts
 
 
 @functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _mix_launch(m: int, d: int, num_heads: int, num_sources: int, block_m: int, block_kc: int, warps: int) -> tuple:
+    k = d // num_heads
+    block_kc = min(block_kc, _pow2(k))
+    row_blocks = _cdiv(m, block_m)
+    consts = {
+        "D": d,
+        "H": num_heads,
+        "K": k,
+        "NUM_SRC": num_sources,
+        "BLOCK_H": _pow2(num_heads),
+        "BLOCK_M": block_m,
+        "BLOCK_KC": block_kc,
+        "EVEN": m % block_m == 0 and k % block_kc == 0,
+    }
+    return (row_blocks, num_heads * _cdiv(k, block_kc)), warps, consts
 
 
-def _rows_per_program(m: int, device: torch.device, per_sm: int) -> int:
-    """Rows each program walks: about per_sm programs per SM, rounded to a power of two
-    (a compile-time constant, so few kernel variants)."""
-    programs = per_sm * _sm_count(device.index or 0) if device.type == "cuda" else 4
-    return triton.next_power_of_2(triton.cdiv(m, programs))
+@functools.cache
+def _finish_launch(d: int, num_heads: int, parts: int) -> tuple:
+    block_c = 32  # many programs: the partials are read once, at bandwidth
+    k = d // num_heads
+    consts = {
+        "P": parts,
+        "D": d,
+        "H": num_heads,
+        "K": k,
+        "BLOCK_H": _pow2(num_heads),
+        "BLOCK_K": _pow2(k),
+        "BLOCK_P": 32,
+        "BLOCK_C": block_c,
+    }
+    return (_cdiv(d, block_c),), 4, consts
 
 
 def _empty(*shape_and_args, **kwargs) -> torch.Tensor:
@@ -360,7 +502,7 @@ def _check_inputs(x: torch.Tensor, sources: Sequence[torch.Tensor]) -> None:
 
 def _forward(
     x: torch.Tensor,
-    sources: list[torch.Tensor],
+    sources: Sequence[torch.Tensor],
     null: torch.Tensor,
     query: torch.Tensor,
     norm_weight: torch.Tensor,
@@ -375,24 +517,47 @@ def _forward(
     srcs = tuple(s.contiguous() for s in sources)
     out = _empty_like(xs)
     weights = _empty((len(srcs) + 1, *x.shape[:-1], num_heads), device=x.device, dtype=torch.float32)
-    rows = _rows_per_program(m, x.device, per_sm=FWD["programs_per_sm"])
-    _route_fwd_kernel[(triton.cdiv(m, rows),)](
-        xs,
-        srcs,
-        null.contiguous(),
-        query.contiguous(),
-        norm_weight.contiguous(),
-        gate.contiguous(),
-        out,
-        weights,
-        m,
-        eps,
-        num_warps=_num_warps(d, FWD["warps_per_4096"]),
-        ROWS=rows,
-        EVEN=_even(m, rows, d, num_heads),
-        **_launch_shape(d, num_heads, len(srcs)),
-    )
+    grid, warps, consts = _row_launch(m, d, num_heads, len(srcs), FWD["rows"], FWD["warps_per_4096"])
+    params = (null.contiguous(), query.contiguous(), norm_weight.contiguous(), gate.contiguous())
+    _launch_fwd(grid, warps, consts, xs, srcs, *params, out, weights, m, eps)
     return out, weights
+
+
+def _backward(
+    grad_out: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    null: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate: torch.Tensor,
+    num_heads: int,
+    eps: float,
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_inputs(grad_out, sources)
+    d = grad_out.shape[-1]
+    m = grad_out.numel() // d
+    n = len(sources)
+    dout = grad_out.contiguous()
+    srcs = tuple(s.contiguous() for s in sources)
+    z, q, g, gate = (t.contiguous() for t in (null, query, norm_weight, gate))
+    f32 = {"device": grad_out.device, "dtype": torch.float32}
+
+    coef = _empty((3, n + 1, m, num_heads), **f32)
+    grid, warps, consts = _row_launch(m, d, num_heads, n, STATS["rows"], STATS["warps_per_4096"])
+    _launch_stats(grid, warps, consts, dout, srcs, z, q, g, gate, coef, m, eps)
+
+    dsrcs = tuple(_empty_like(s) for s in srcs)
+    grid, warps, consts = _mix_launch(m, d, num_heads, n, MIX["block_m"], MIX["block_kc"], MIX["warps"])
+    parts = grid[0]
+    t_part = _empty((2, parts, d), **f32)  # query/norm-weight sums, then the null's mixing term
+    dl0_part = _empty((parts, num_heads), **f32)
+    dgate_part = _empty((parts,), **f32)
+    _launch_mix(grid, warps, consts, dout, srcs, dsrcs, q, g, coef, t_part[0], t_part[1], dl0_part, dgate_part, m)
+
+    dz, dq, dg, dgate = (_empty_like(t) for t in (z, q, g, gate))
+    grid, warps, consts = _finish_launch(d, num_heads, parts)
+    _launch_finish(grid, warps, consts, t_part[0], t_part[1], dl0_part, dgate_part, z, q, g, dz, dq, dg, dgate, eps)
+    return list(dsrcs), dz, dq, dg, dgate
 
 
 @torch.library.custom_op("mhar::route_fwd", mutates_args=())
@@ -415,80 +580,6 @@ def _(x, sources, null, query, norm_weight, gate, num_heads, eps):
     return torch.empty_like(x), weights
 
 
-def _backward(
-    grad_out: torch.Tensor,
-    sources: list[torch.Tensor],
-    null: torch.Tensor,
-    query: torch.Tensor,
-    norm_weight: torch.Tensor,
-    gate: torch.Tensor,
-    weights: torch.Tensor,
-    num_heads: int,
-    eps: float,
-) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_inputs(grad_out, sources)
-    d = grad_out.shape[-1]
-    m = grad_out.numel() // d
-    dout = grad_out.contiguous()
-    srcs = tuple(s.contiguous() for s in sources)
-    dsrcs = tuple(_empty_like(s) for s in srcs)
-    rows = _rows_per_program(m, grad_out.device, per_sm=BWD["programs_per_sm"])
-    programs = triton.cdiv(m, rows)
-    f32 = {"device": grad_out.device, "dtype": torch.float32}
-    t_part = _empty((programs, d), **f32)
-    w0do_part = _empty((programs, d), **f32)
-    dl0_part = _empty((programs, num_heads), **f32)
-    dgate_part = _empty((programs,), **f32)
-    z, q, g, gate = (t.contiguous() for t in (null, query, norm_weight, gate))
-    _route_bwd_kernel[(programs,)](
-        dout,
-        srcs,
-        dsrcs,
-        z,
-        q,
-        g,
-        gate,
-        weights,
-        t_part,
-        w0do_part,
-        dl0_part,
-        dgate_part,
-        m,
-        eps,
-        num_warps=_num_warps(d, BWD["warps_per_4096"]),
-        ROWS=rows,
-        EVEN=_even(m, rows, d, num_heads),
-        **_launch_shape(d, num_heads, len(srcs)),
-    )
-    dz, dq, dg, dgate = (_empty_like(t) for t in (z, q, g, gate))
-    block_c = 32  # many programs: the partials are read once, at bandwidth
-    _route_bwd_finish_kernel[(triton.cdiv(d, block_c),)](
-        t_part,
-        w0do_part,
-        dl0_part,
-        dgate_part,
-        z,
-        q,
-        g,
-        gate,
-        dz,
-        dq,
-        dg,
-        dgate,
-        eps,
-        P=programs,
-        D=d,
-        H=num_heads,
-        K=d // num_heads,
-        BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_K=triton.next_power_of_2(d // num_heads),
-        BLOCK_P=32,
-        BLOCK_C=block_c,
-        num_warps=4,
-    )
-    return list(dsrcs), dz, dq, dg, dgate
-
-
 @torch.library.custom_op("mhar::route_bwd", mutates_args=())
 def route_bwd(
     grad_out: torch.Tensor,
@@ -497,15 +588,14 @@ def route_bwd(
     query: torch.Tensor,
     norm_weight: torch.Tensor,
     gate: torch.Tensor,
-    weights: torch.Tensor,
     num_heads: int,
     eps: float,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(grad_out, sources, null, query, norm_weight, gate, weights, num_heads, eps)
+    return _backward(grad_out, sources, null, query, norm_weight, gate, num_heads, eps)
 
 
 @route_bwd.register_fake
-def _(grad_out, sources, null, query, norm_weight, gate, weights, num_heads, eps):
+def _(grad_out, sources, null, query, norm_weight, gate, num_heads, eps):
     return (
         [torch.empty_like(s) for s in sources],
         torch.empty_like(null),
@@ -517,17 +607,13 @@ def _(grad_out, sources, null, query, norm_weight, gate, weights, num_heads, eps
 
 def _setup_context(ctx, inputs, output) -> None:
     x, sources, null, query, norm_weight, gate, num_heads, eps = inputs
-    _, weights = output
-    ctx.num_sources = len(sources)
     ctx.num_heads, ctx.eps = num_heads, eps
-    ctx.save_for_backward(null, query, norm_weight, gate, weights, *sources)
+    ctx.save_for_backward(null, query, norm_weight, gate, *sources)
 
 
 def _op_backward(ctx, grad_out, grad_weights):
-    null, query, norm_weight, gate, weights, *sources = ctx.saved_tensors
-    dsrcs, dz, dq, dg, dgate = route_bwd(
-        grad_out, sources, null, query, norm_weight, gate, weights, ctx.num_heads, ctx.eps
-    )
+    null, query, norm_weight, gate, *sources = ctx.saved_tensors
+    dsrcs, dz, dq, dg, dgate = route_bwd(grad_out, sources, null, query, norm_weight, gate, ctx.num_heads, ctx.eps)
     return grad_out, dsrcs, dz, dq, dg, dgate, None, None
 
 
@@ -540,18 +626,16 @@ class _Route(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, null, query, norm_weight, gate, num_heads, eps, *sources):
-        out, weights = _forward(x, list(sources), null, query, norm_weight, gate, num_heads, eps)
+        out, weights = _forward(x, sources, null, query, norm_weight, gate, num_heads, eps)
         ctx.num_heads, ctx.eps = num_heads, eps
-        ctx.save_for_backward(null, query, norm_weight, gate, weights, *sources)
+        ctx.save_for_backward(null, query, norm_weight, gate, *sources)
         ctx.mark_non_differentiable(weights)
         return out, weights
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights):
-        null, query, norm_weight, gate, weights, *sources = ctx.saved_tensors
-        dsrcs, dz, dq, dg, dgate = _backward(
-            grad_out, sources, null, query, norm_weight, gate, weights, ctx.num_heads, ctx.eps
-        )
+        null, query, norm_weight, gate, *sources = ctx.saved_tensors
+        dsrcs, dz, dq, dg, dgate = _backward(grad_out, sources, null, query, norm_weight, gate, ctx.num_heads, ctx.eps)
         return grad_out, dz, dq, dg, dgate, None, None, *dsrcs
 
 

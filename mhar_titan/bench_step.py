@@ -7,9 +7,11 @@
 
 Each arm is its own torchrun job (FSDP2 on `--nproc` ranks) on the same data, reading back
 tokens/s per device, MFU (torchtitan's formula: 6 x parameters + attention flops per token over
-the device's peak bf16 flops) and peak active memory from its TensorBoard log, as medians over
-the steps after `--warmup`. Default geometry: the 8B width cut to 16 layers, seq 4096,
-microbatch 2, bf16 compute, full activation checkpointing, per-block compile, 4 MHAR blocks.
+the device's peak bf16 flops) and peak active memory from its TensorBoard log, over the steps
+after `--warmup`: throughput as tokens over time (a harmonic mean, so periodic work such as an
+EMA update every 10 steps counts at its real share), memory as the peak. Default geometry: the
+8B width cut to 16 layers, seq 4096, microbatch 2, bf16 compute, full activation checkpointing,
+per-block compile, 4 MHAR blocks, EMA every 10 steps as in configs/marin8b_*.toml.
 `--smoke` runs the tiny flavor on CPU for a few steps (plumbing only, no speed figure).
 
     python -m mhar_titan.bench_step [--arms stock,control,mhar_triton,mhar_compile] [--steps 12] [--warmup 4]
@@ -36,14 +38,15 @@ ARMS = {
 }
 # (ours, stock) TensorBoard tags
 TAGS = {
-    "tokens_per_s": ("tokens_per_s", "throughput(tps)"),
-    "mfu": ("mfu", "mfu(%)"),
-    "peak_active_gib": ("memory/peak_active_gib", "memory/max_active(GiB)"),
+    "tokens_per_s": ("tokens_per_s", "throughput(tps)", "rate"),
+    "mfu": ("mfu", "mfu(%)", "rate"),
+    "peak_active_gib": ("memory/peak_active_gib", "memory/max_active(GiB)", "peak"),
 }
 GPU = [
     "--model.flavor", "marin8b_16l", "--training.seq_len", "4096", "--training.local_batch_size", "2",
     "--training.mixed_precision_param", "bfloat16", "--optimizer.implementation", "fused",
-    "--compile.enable", "--compile.components", "model", "loss",
+    "--compile.enable", "--compile.components", "model,loss",
+    "--ema.beta", "0.999", "--ema.every", "10",  # as in configs/marin8b_*.toml
 ]  # fmt: skip
 SMOKE = ["--model.flavor", "tiny", "--training.seq_len", "128", "--training.local_batch_size", "2"]
 BLOCKS = {False: ["--mhar.num_blocks", "4"], True: ["--mhar.num_blocks", "2"]}  # keyed by smoke
@@ -63,11 +66,13 @@ def arm_command(arm: str, run: Path, nproc: int, steps: int, smoke: bool) -> lis
     return [*launcher, *ARMS[arm], *common, *geometry]
 
 
-def median_after(series: dict[int, float], warmup: int) -> float:
+def aggregate(series: dict[int, float], warmup: int, how: str) -> float:
+    """Over the steps after `warmup`: "rate" -> harmonic mean (every step has the same tokens,
+    so this is total tokens over total time), "peak" -> max."""
     timed = [v for step, v in series.items() if step > warmup]
     if not timed:
         raise ValueError(f"no steps after the {warmup} warm-up steps")
-    return statistics.median(timed)
+    return statistics.harmonic_mean(timed) if how == "rate" else max(timed)
 
 
 def run_arm(arm: str, out: Path, nproc: int, steps: int, warmup: int, smoke: bool) -> dict[str, float]:
@@ -83,13 +88,13 @@ def run_arm(arm: str, out: Path, nproc: int, steps: int, warmup: int, smoke: boo
     if proc.returncode != 0:
         raise RuntimeError(f"[{arm}] exited {proc.returncode}; log in {out / f'{arm}.log'}:\n{proc.stderr[-3000:]}")
     which = 1 if arm == "stock" else 0
-    return {name: median_after(read_scalars(run, tags[which]), warmup) for name, tags in TAGS.items()}
+    return {name: aggregate(read_scalars(run, tags[which]), warmup, tags[2]) for name, tags in TAGS.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arms", default=",".join(ARMS))
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=14, help="with --warmup 4: ten timed steps, one EMA update")
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the medians (compile, caches)")
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--out", default="runs/bench-step")
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {arm: run_arm(arm, out, args.nproc, args.steps, args.warmup, args.smoke) for arm in arms}
 
     base = "control" if "control" in results else arms[0]
-    print(f"\nmedians over steps {args.warmup + 1}..{args.steps}; ratios to {base} (and to stock)")
+    print(f"\nsteps {args.warmup + 1}..{args.steps} (tokens over time, peak memory); ratios to {base} (and to stock)")
     head = ("arm", "tokens/s/dev", "MFU %", "peak GiB", "tps ratio", "mem ratio", "vs stock")
     print(f"{head[0]:<14}" + "".join(f"{h:>12}" for h in head[1:]))
     for arm, r in results.items():

@@ -33,12 +33,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class WeightEMA(Stateful):
-    """ema <- beta * ema + (1 - beta) * param, in fp32, after every applied optimizer step."""
+    """ema <- beta**every * ema + (1 - beta**every) * param, in fp32, after the applied optimizer
+    steps whose number is a multiple of `every` (1: every step). Which steps update depends on the
+    step number alone, so a resumed run updates exactly where an uninterrupted one does."""
 
-    def __init__(self, model: nn.Module, beta: float):
+    def __init__(self, model: nn.Module, beta: float, every: int = 1):
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"[ema] beta = {beta} must be in [0, 1)")
-        self.beta, self.model = beta, model
+        if every < 1:
+            raise ValueError(f"[ema] every = {every} must be at least 1")
+        self.beta, self.every, self.model = beta, every, model
         self.params = {plain_name(n): p for n, p in model.named_parameters() if p.requires_grad}
         with torch.no_grad():
             self.shadow = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.params.items()}
@@ -58,12 +62,15 @@ class WeightEMA(Stateful):
         self.ready = True
 
     @torch.no_grad()
-    def update(self) -> None:
+    def update(self, step: int) -> None:
+        """Called after the optimizer step `step` (1-based) was applied."""
         if not self.ready:
             raise RuntimeError("WeightEMA.update before start(): the EMA has no initial weights")
+        if step % self.every:
+            return
         shadows, params = self._pairs()
         params = [p.float() for p in params]  # no copy for fp32 master weights
-        torch._foreach_lerp_(shadows, params, 1.0 - self.beta)
+        torch._foreach_lerp_(shadows, params, 1.0 - self.beta**self.every)
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:

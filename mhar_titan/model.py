@@ -191,11 +191,11 @@ class MHARTransformer(Transformer):
         return self.output(h)
 
 
-def build_on_cpu(model_args: MHARModelArgs) -> MHARTransformer:
-    """The model with torchtitan's initialisation, built on meta and then materialised once on the CPU."""
+def build_initialised(model_args: MHARModelArgs, device: str | torch.device = "cpu") -> MHARTransformer:
+    """The model with torchtitan's initialisation, built on meta and then materialised once on `device`."""
     with torch.device("meta"):
         model = MHARTransformer(model_args)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights()
     return model

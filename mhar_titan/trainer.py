@@ -44,7 +44,8 @@ class CPTTrainer(Trainer):
         # torchtitan's Trainer builds its checkpointer from this module global.
         titan_train.CheckpointManager = CPTCheckpointManager
         super().__init__(job_config)
-        self.ema = WeightEMA(self.model_parts[0], job_config.ema.beta) if job_config.ema.enable else None
+        ema = job_config.ema
+        self.ema = WeightEMA(self.model_parts[0], ema.beta, ema.every) if ema.enable else None
         if self.ema is not None:
             self.checkpointer.states[EMA_STATE] = self.ema
         self.bad_steps_in_a_row = 0
@@ -155,7 +156,7 @@ class CPTTrainer(Trainer):
             self.checkpointer.maybe_wait_for_staging()
             self.optimizers.step()
             if self.ema is not None:
-                self.ema.update()
+                self.ema.update(self.step)
             self.bad_steps_in_a_row = 0
         else:
             self.optimizers.zero_grad()

@@ -1,6 +1,8 @@
 """make bench-step's arms: the same geometry and data for all four, MHAR settings only where they apply."""
 
-from mhar_titan.bench_step import ARMS, arm_command
+import pytest
+
+from mhar_titan.bench_step import ARMS, aggregate, arm_command
 
 
 def test_arms_share_everything_but_the_trainer_and_mhar(tmp_path):
@@ -24,3 +26,12 @@ def test_arms_share_everything_but_the_trainer_and_mhar(tmp_path):
     assert cmds["mhar_triton"][cmds["mhar_triton"].index("--mhar.backend") + 1] == "triton"
     assert cmds["mhar_compile"][cmds["mhar_compile"].index("--mhar.backend") + 1] == "torch"
     assert cmds["stock"][cmds["stock"].index("-m", 3) + 1] == "mhar_titan.stock_titan"
+
+
+def test_throughput_is_tokens_over_time_and_memory_the_peak():
+    # two timed steps at 100 and 300 tokens/s: 2 steps of equal tokens take 1/100 + 1/300 s
+    series = {1: 5.0, 2: 100.0, 3: 300.0}
+    assert aggregate(series, warmup=1, how="rate") == pytest.approx(150.0, rel=1e-12)
+    assert aggregate({1: 9.0, 2: 3.0, 3: 4.0}, warmup=1, how="peak") == 4.0
+    with pytest.raises(ValueError, match="no steps after the 3 warm-up steps"):
+        aggregate(series, warmup=3, how="rate")

@@ -16,7 +16,7 @@ from data.shards import list_shards
 from mhar_titan.config import MHAR
 from mhar_titan.ema import WeightEMA, plain_name
 from mhar_titan.loss import ZLossCrossEntropy
-from mhar_titan.model import MHARTransformer, build_on_cpu
+from mhar_titan.model import MHARTransformer, build_initialised
 from mhar_titan.train_spec import FLAVORS
 from mhar_titan.validate import FixedSetValidator
 
@@ -25,29 +25,31 @@ def tiny_model(seed: int, mhar: bool = True) -> MHARTransformer:
     args = copy.deepcopy(FLAVORS["tiny"])
     args.mhar = MHAR(enable=mhar, num_heads=4, num_blocks=2, backend="torch")
     torch.manual_seed(seed)
-    model = build_on_cpu(args)
+    model = build_initialised(args)
     with torch.no_grad():
         for p in model.parameters():  # gates and queries away from their zero init
             p.add_(0.01 * torch.randn_like(p))
     return model
 
 
-def test_ema_update_is_the_recurrence_and_swapping_restores_the_weights_bitwise():
+@pytest.mark.parametrize("every", [1, 3])
+def test_ema_update_is_the_recurrence_and_swapping_restores_the_weights_bitwise(every):
     model = tiny_model(seed=int(torch.randint(0, 2**31, ())))
     beta = 0.9
-    ema = WeightEMA(model, beta)
+    ema = WeightEMA(model, beta, every)
     ema.start()
     want = {n: p.detach().double().clone() for n, p in model.named_parameters()}
-    for _ in range(4):
+    for step in range(1, 8):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.1 * torch.randn_like(p))
-        ema.update()
-        for n, p in model.named_parameters():
-            want[n] = beta * want[n] + (1 - beta) * p.detach().double()
+        ema.update(step)
+        if step % every == 0:  # only these steps update, with beta**every
+            for n, p in model.named_parameters():
+                want[n] = beta**every * want[n] + (1 - beta**every) * p.detach().double()
     for n, e in ema.state_dict().items():
         scale = max(want[n].abs().max().item(), 1e-3)
-        assert (e.double() - want[n]).abs().max().item() <= 4 * 4 * torch.finfo(torch.float32).eps * scale, n
+        assert (e.double() - want[n]).abs().max().item() <= 4 * (7 // every) * torch.finfo(torch.float32).eps * scale, n
 
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with ema.swapped_in():
@@ -58,7 +60,7 @@ def test_ema_update_is_the_recurrence_and_swapping_restores_the_weights_bitwise(
 
     restored = WeightEMA(model, beta)
     with pytest.raises(RuntimeError, match="before start"):
-        restored.update()
+        restored.update(1)
     restored.load_state_dict({n: t.clone() for n, t in ema.state_dict().items()})
     restored.start()  # a restored EMA is kept, not re-copied from the weights
     for n, t in restored.state_dict().items():

@@ -227,7 +227,7 @@ def test_init_writes_a_random_base_that_loads_back_exactly(tmp_path):
     import copy
 
     from mhar_titan.hf import init_hf
-    from mhar_titan.model import build_on_cpu
+    from mhar_titan.model import build_initialised
     from mhar_titan.train_spec import FLAVORS
 
     seed = int(torch.randint(0, 2**31, ()))
@@ -235,8 +235,19 @@ def test_init_writes_a_random_base_that_loads_back_exactly(tmp_path):
     assert (tmp_path / "base" / "tokenizer.json").is_file()
     loaded = load_hf_model(str(tmp_path / "base"), dtype=torch.float32).state_dict()
     torch.manual_seed(seed)
-    want = build_on_cpu(copy.deepcopy(FLAVORS["tiny"]))
+    want = build_initialised(copy.deepcopy(FLAVORS["tiny"]))
     for key, value in want.state_dict().items():
         assert torch.equal(loaded[key], value), key
     with pytest.raises(ValueError, match="flavor 'nope'"):
         init_hf(str(tmp_path / "other"), "nope")
+
+
+def test_hf_smoke_writes_loads_both_arms_and_finds_identical_logits(capsys):
+    from mhar_titan.hf_smoke import main as smoke_main
+    from mhar_titan.train_spec import FLAVORS
+
+    smoke_main(["--flavor", "tiny", "--num-blocks", "2", "--tokens", "16", "--dtype", "fp32"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["logits_identical"] is True and result["max_abs_diff"] == 0.0
+    tiny = FLAVORS["tiny"]
+    assert result["mhar_parameters"] - result["control_parameters"] == 2 * tiny.n_layers * (3 * tiny.dim + 1)

@@ -1,0 +1,87 @@
+"""Registers, spills and shared memory of the routing kernels for sm_90, without a GPU.
+
+Compiles each kernel at the 8B launch shapes with Triton's own compiler and runs the
+`ptxas` that Triton ships on the result. Registers decide how many rows an SM keeps in
+flight, which is what bounds these memory-bound kernels.
+
+    python -m kernels.compile_report [--sources 8] [--dtype bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import routing_triton as rt
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def compile_sm90(fn, types: dict[str, object], consts: dict[str, object], num_warps: int):
+    """Triton-compile `fn` for sm_90 with every pointer and M assumed 16-aligned (as at 8B)."""
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(p.name for p in fn.params):
+        if name in consts:
+            signature[name], constexprs[(i,)] = "constexpr", consts[name]
+            continue
+        kind = types[name]
+        signature[name] = kind
+        if isinstance(kind, tuple):
+            attrs.update({(i, j): [["tt.divisibility", 16]] for j in range(len(kind))})
+        elif kind.startswith("*") or name == "M":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def ptxas_usage(ptx: str) -> dict[str, int]:
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        log = subprocess.run(
+            [PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True, check=True
+        ).stderr
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    return {"registers": int(regs.group(1)), "spill_bytes": int(spills.group(1)) if spills else 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sources", type=int, default=8, help="caller sources (N - 1)")
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    args = parser.parse_args()
+    n, d, h, m = args.sources, args.dim, args.heads, 8192
+    p, f32 = f"*{args.dtype}", "*fp32"
+    types = {
+        "X": p, "SRCS": (p,) * n, "DSRCS": (p,) * n, "NULL": p, "Q": p, "G": p, "GATE": p, "OUT": p,
+        "DOUT": p, "W": f32, "COEF": f32, "T_PART": f32, "W0DO_PART": f32, "DL0_PART": f32,
+        "DGATE_PART": f32, "M": "i32", "eps": "fp32",
+    }  # fmt: skip
+    print(f"sm_90, d={d}, H={h}, {n} sources, {args.dtype}")
+    print("| kernel | launch | warps | registers | spill bytes |")
+    print("|---|---|---|---|---|")
+    for name, fn, launch in [("fwd", rt._route_fwd_kernel, rt.FWD), ("stats", rt._route_bwd_stats_kernel, rt.STATS)]:
+        for warps_per_4096 in (4, 8, 16):
+            _, warps, consts = rt._row_launch(m, d, h, n, launch["rows"], warps_per_4096)
+            use = ptxas_usage(compile_sm90(fn, types, consts, warps).asm["ptx"])
+            print(f"| {name} | rows {launch['rows']} | {warps} | {use['registers']} | {use['spill_bytes']} |")
+    for block_m, block_kc, warps in [(32, 64, 4), (32, 128, 4), (64, 64, 4), (32, 128, 8)]:
+        _, warps, consts = rt._mix_launch(m, d, h, n, block_m, block_kc, warps)
+        use = ptxas_usage(compile_sm90(rt._route_bwd_mix_kernel, types, consts, warps).asm["ptx"])
+        print(f"| mix | {block_m}x{block_kc} | {warps} | {use['registers']} | {use['spill_bytes']} |")
+
+
+if __name__ == "__main__":
+    main()
