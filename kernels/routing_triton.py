@@ -85,15 +85,31 @@ def _add3(a0, b0, c0, a1, b1, c1):
 
 
 @triton.jit
+def _row_sums2(a, b, JOINT: tl.constexpr):
+    """Per-head sums of two tiles: one joint reduction on a GPU (one barrier for both); two
+    plain sums in Triton's interpreter, which runs a custom combine function element by element."""
+    if JOINT:
+        return tl.reduce((a, b), 1, _add2)
+    return tl.sum(a, axis=1), tl.sum(b, axis=1)
+
+
+@triton.jit
+def _row_sums3(a, b, c, JOINT: tl.constexpr):
+    if JOINT:
+        return tl.reduce((a, b, c), 1, _add3)
+    return tl.sum(a, axis=1), tl.sum(b, axis=1), tl.sum(c, axis=1)
+
+
+@triton.jit
 def _param(PTR, cols, mask):
     return tl.load(PTR + cols, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _null_logit(NULL, Q, G, cols, mask, D: tl.constexpr, eps):
+def _null_logit(NULL, Q, G, cols, mask, D: tl.constexpr, eps, JOINT: tl.constexpr):
     """The null source's logit per head, the same for every row."""
     z = _param(NULL, cols, mask)
-    zz, zq = tl.reduce((z * z, z * _param(Q, cols, mask) * _param(G, cols, mask)), 1, _add2)
+    zz, zq = _row_sums2(z * z, z * _param(Q, cols, mask) * _param(G, cols, mask), JOINT)
     return zq * tl.rsqrt(tl.sum(zz) / D + eps)
 
 
@@ -118,12 +134,13 @@ def _route_fwd_kernel(
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     EVEN: tl.constexpr,
+    JOINT: tl.constexpr,
 ):
     cols, mask = _row_tile_offsets(BLOCK_H, BLOCK_K, H, K)
     nn = tl.arange(0, BLOCK_N)[:, None]
     hw = tl.arange(0, BLOCK_H)[None, :]
     w_mask = (nn < NUM_SRC + 1) & (hw < H)
-    z_logit = _null_logit(NULL, Q, G, cols, mask, D, eps)
+    z_logit = _null_logit(NULL, Q, G, cols, mask, D, eps, JOINT)
     gate = tl.load(GATE).to(tl.float32)
 
     start = tl.program_id(0).to(tl.int64) * ROWS
@@ -148,7 +165,7 @@ def _route_fwd_kernel(
             else:
                 s_next = _load_raw(X + base + cols, row_mask, EVEN)
             qg = _param(Q, cols, mask) * _param(G, cols, mask)
-            ss, sq = tl.reduce((s * s, s * qg), 1, _add2)  # one reduction for both
+            ss, sq = _row_sums2(s * s, s * qg, JOINT)
             lg = sq * tl.rsqrt(tl.sum(ss) / D + eps)
             m_new = tl.maximum(m, lg)
             alpha = tl.exp(m - m_new)
@@ -184,6 +201,7 @@ def _route_bwd_stats_kernel(
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     EVEN: tl.constexpr,
+    JOINT: tl.constexpr,
 ):
     # Per row and head, with c_n = <dout_h, s_n,h>, a_n = <(q g)_h, s_n,h>, w = softmax_n(a_n rstd_n)
     # (null: its own logit), dot = sum_n w_n c_n, dl_n = gate w_n (c_n - dot):
@@ -196,7 +214,7 @@ def _route_bwd_stats_kernel(
     nn = tl.arange(0, BLOCK_N)[:, None]
     hw = tl.arange(0, BLOCK_H)[None, :]
     c_mask = (nn < NUM_SRC + 1) & (hw < H)
-    z_logit = _null_logit(NULL, Q, G, cols, mask, D, eps)
+    z_logit = _null_logit(NULL, Q, G, cols, mask, D, eps, JOINT)
     gate = tl.load(GATE).to(tl.float32)
     plane = (NUM_SRC + 1) * M * H
 
@@ -216,7 +234,7 @@ def _route_bwd_stats_kernel(
             if i + 1 < NUM_SRC:
                 s_next = _load_raw(SRCS[i + 1] + base + cols, row_mask, EVEN)
             qg = _param(Q, cols, mask) * _param(G, cols, mask)
-            ss, sd, sq = tl.reduce((s * s, s * do, s * qg), 1, _add3)
+            ss, sd, sq = _row_sums3(s * s, s * do, s * qg, JOINT)
             rstd = tl.rsqrt(tl.sum(ss) / D + eps)
             sel = nn == i + 1
             c = tl.where(sel, sd[None, :], c)
@@ -396,7 +414,7 @@ class _Launcher:
         return arg == 1, arg % 16 == 0, arg >= 2**31
 
     def __call__(self, grid: tuple[int, ...], num_warps: int, consts: dict, *args) -> None:
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        if _interpreting():
             self.fn[grid](*args, num_warps=num_warps, **consts)
             return
         device = torch.cuda.current_device()
@@ -430,7 +448,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @functools.cache
-def _row_launch(m: int, d: int, num_heads: int, num_sources: int, rows: int, warps_per_4096: int) -> tuple:
+def _row_launch(
+    m: int, d: int, num_heads: int, num_sources: int, rows: int, warps_per_4096: int, joint: bool = True
+) -> tuple:
     """(grid, num_warps, constexprs) of a row kernel; cached per shape, since computing it
     costs more Python time per call than launching the kernel."""
     k = d // num_heads
@@ -445,6 +465,7 @@ def _row_launch(m: int, d: int, num_heads: int, num_sources: int, rows: int, war
         "BLOCK_N": _pow2(num_sources + 1),
         "ROWS": rows,
         "EVEN": exact,
+        "JOINT": joint,
     }
     warps = max(1, min(16, _pow2(_cdiv(d * warps_per_4096, 4096))))
     return (_cdiv(m, rows),), warps, consts
@@ -485,6 +506,16 @@ def _finish_launch(d: int, num_heads: int, parts: int) -> tuple:
     return (_cdiv(d, block_c),), 4, consts
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _cpu_rows(m: int) -> int:
+    """Rows per program in Triton's interpreter, where every program costs milliseconds of
+    Python: about four programs per kernel, as many rows each as that takes."""
+    return _pow2(_cdiv(m, 4))
+
+
 def _empty(*shape_and_args, **kwargs) -> torch.Tensor:
     return torch.empty(*shape_and_args, **kwargs)
 
@@ -494,7 +525,7 @@ def _empty_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_inputs(x: torch.Tensor, sources: Sequence[torch.Tensor]) -> None:
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not x.is_cuda and not _interpreting():
         raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
     if not 1 <= len(sources) <= MAX_SOURCES:
         raise ValueError(f"backend='triton' routes over 1..{MAX_SOURCES} sources, got {len(sources)}")
@@ -517,7 +548,9 @@ def _forward(
     srcs = tuple(s.contiguous() for s in sources)
     out = _empty_like(xs)
     weights = _empty((len(srcs) + 1, *x.shape[:-1], num_heads), device=x.device, dtype=torch.float32)
-    grid, warps, consts = _row_launch(m, d, num_heads, len(srcs), FWD["rows"], FWD["warps_per_4096"])
+    interp = _interpreting()
+    rows = _cpu_rows(m) if interp else FWD["rows"]
+    grid, warps, consts = _row_launch(m, d, num_heads, len(srcs), rows, FWD["warps_per_4096"], not interp)
     params = (null.contiguous(), query.contiguous(), norm_weight.contiguous(), gate.contiguous())
     _launch_fwd(grid, warps, consts, xs, srcs, *params, out, weights, m, eps)
     return out, weights
@@ -543,11 +576,14 @@ def _backward(
     f32 = {"device": grad_out.device, "dtype": torch.float32}
 
     coef = _empty((3, n + 1, m, num_heads), **f32)
-    grid, warps, consts = _row_launch(m, d, num_heads, n, STATS["rows"], STATS["warps_per_4096"])
+    interp = _interpreting()
+    rows = _cpu_rows(m) if interp else STATS["rows"]
+    grid, warps, consts = _row_launch(m, d, num_heads, n, rows, STATS["warps_per_4096"], not interp)
     _launch_stats(grid, warps, consts, dout, srcs, z, q, g, gate, coef, m, eps)
 
     dsrcs = tuple(_empty_like(s) for s in srcs)
-    grid, warps, consts = _mix_launch(m, d, num_heads, n, MIX["block_m"], MIX["block_kc"], MIX["warps"])
+    block_m = _cpu_rows(m) if _interpreting() else MIX["block_m"]
+    grid, warps, consts = _mix_launch(m, d, num_heads, n, block_m, MIX["block_kc"], MIX["warps"])
     parts = grid[0]
     t_part = _empty((2, parts, d), **f32)  # query/norm-weight sums, then the null's mixing term
     dl0_part = _empty((parts, num_heads), **f32)

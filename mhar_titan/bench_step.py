@@ -13,6 +13,8 @@ EMA update every 10 steps counts at its real share), memory as the peak. Default
 8B width cut to 16 layers, seq 4096, microbatch 2, bf16 compute, full activation checkpointing,
 per-block compile, 4 MHAR blocks, EMA every 10 steps as in configs/marin8b_*.toml.
 `--smoke` runs the tiny flavor on CPU for a few steps (plumbing only, no speed figure).
+`--profile` also traces each arm's last step with torchtitan's profiler (the two steps it
+takes are left out of the throughput) and prints GPU time by kernel kind, arm beside arm.
 
     python -m mhar_titan.bench_step [--arms stock,control,mhar_triton,mhar_compile] [--steps 12] [--warmup 4]
 """
@@ -28,6 +30,7 @@ import sys
 from pathlib import Path
 
 from mhar_titan.tensorboard_scalars import read_scalars
+from mhar_titan.trace_summary import print_side_by_side, summarise
 
 REPO = Path(__file__).resolve().parents[1]
 ARMS = {
@@ -52,7 +55,7 @@ SMOKE = ["--model.flavor", "tiny", "--training.seq_len", "128", "--training.loca
 BLOCKS = {False: ["--mhar.num_blocks", "4"], True: ["--mhar.num_blocks", "2"]}  # keyed by smoke
 
 
-def arm_command(arm: str, run: Path, nproc: int, steps: int, smoke: bool) -> list[str]:
+def arm_command(arm: str, run: Path, nproc: int, steps: int, smoke: bool, profile: bool = False) -> list[str]:
     common = [
         "--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--job.dump_folder", str(run),
         "--job.custom_config_module", "mhar_titan.config", "--training.steps", str(steps),
@@ -62,23 +65,30 @@ def arm_command(arm: str, run: Path, nproc: int, steps: int, smoke: bool) -> lis
     geometry = SMOKE if smoke else GPU
     if arm != "stock":  # torchtitan's own model knows no [mhar]
         geometry = [*geometry, *BLOCKS[smoke]]
+    if profile:  # trace the last step, after one profiler warm-up step
+        geometry = [
+            *geometry, "--profiling.enable_profiling", "--profiling.profile_freq", str(steps),
+            "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1",
+        ]  # fmt: skip
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     return [*launcher, *ARMS[arm], *common, *geometry]
 
 
-def aggregate(series: dict[int, float], warmup: int, how: str) -> float:
-    """Over the steps after `warmup`: "rate" -> harmonic mean (every step has the same tokens,
-    so this is total tokens over total time), "peak" -> max."""
-    timed = [v for step, v in series.items() if step > warmup]
+def aggregate(series: dict[int, float], warmup: int, how: str, last: int | None = None) -> float:
+    """Over the steps after `warmup` (up to `last`): "rate" -> harmonic mean (every step has the
+    same tokens, so this is total tokens over total time), "peak" -> max."""
+    timed = [v for step, v in series.items() if step > warmup and (last is None or step <= last)]
     if not timed:
         raise ValueError(f"no steps after the {warmup} warm-up steps")
     return statistics.harmonic_mean(timed) if how == "rate" else max(timed)
 
 
-def run_arm(arm: str, out: Path, nproc: int, steps: int, warmup: int, smoke: bool) -> dict[str, float]:
+def run_arm(
+    arm: str, out: Path, nproc: int, steps: int, warmup: int, smoke: bool, profile: bool = False
+) -> dict[str, float]:
     run = out / arm
     shutil.rmtree(run, ignore_errors=True)
-    cmd = arm_command(arm, run, nproc, steps, smoke)
+    cmd = arm_command(arm, run, nproc, steps, smoke, profile)
     print(f"[{arm}] {' '.join(cmd)}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if smoke:  # the Triton kernels run in Triton's interpreter on a CPU
@@ -88,7 +98,8 @@ def run_arm(arm: str, out: Path, nproc: int, steps: int, warmup: int, smoke: boo
     if proc.returncode != 0:
         raise RuntimeError(f"[{arm}] exited {proc.returncode}; log in {out / f'{arm}.log'}:\n{proc.stderr[-3000:]}")
     which = 1 if arm == "stock" else 0
-    return {name: aggregate(read_scalars(run, tags[which]), warmup, tags[2]) for name, tags in TAGS.items()}
+    last = steps - 2 if profile else None
+    return {name: aggregate(read_scalars(run, tags[which]), warmup, tags[2], last) for name, tags in TAGS.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,16 +110,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--out", default="runs/bench-step")
     parser.add_argument("--smoke", action="store_true", help="tiny flavor on CPU: the plumbing, not a speed")
+    parser.add_argument("--profile", action="store_true", help="trace each arm's last step; GPU time by kernel kind")
     args = parser.parse_args(argv)
     arms = args.arms.split(",")
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         parser.error(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
-    if args.warmup >= args.steps:
+    if args.profile and args.smoke:
+        parser.error("--profile needs a GPU (torchtitan 0.2.2's profiler asks for CUDA activity)")
+    if args.warmup >= args.steps - (2 if args.profile else 0):
         parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    results = {arm: run_arm(arm, out, args.nproc, args.steps, args.warmup, args.smoke) for arm in arms}
+    results = {arm: run_arm(arm, out, args.nproc, args.steps, args.warmup, args.smoke, args.profile) for arm in arms}
 
     base = "control" if "control" in results else arms[0]
     print(f"\nsteps {args.warmup + 1}..{args.steps} (tokens over time, peak memory); ratios to {base} (and to stock)")
@@ -121,6 +135,13 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['tokens_per_s'] / results[base]['tokens_per_s']:>12.3f}"
             f"{r['peak_active_gib'] / results[base]['peak_active_gib']:>12.3f}{vs_stock:>12}"
         )
+    if args.profile:
+        traces = {arm: sorted((out / arm).glob("profile_traces/*/rank0_trace.json")) for arm in arms}
+        missing = [arm for arm, found in traces.items() if not found]
+        if missing:
+            raise RuntimeError(f"no profiler trace written for {missing} under {out}")
+        print(f"\nprofiled step {args.steps} (GPU kernel time; the step span includes idle gaps)")
+        print_side_by_side({arm: summarise(found[-1]) for arm, found in traces.items()})
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """make bench-step's arms: the same geometry and data for all four, MHAR settings only where they apply."""
 
+import json
+
 import pytest
 
 from mhar_titan.bench_step import ARMS, aggregate, arm_command
@@ -35,3 +37,27 @@ def test_throughput_is_tokens_over_time_and_memory_the_peak():
     assert aggregate({1: 9.0, 2: 3.0, 3: 4.0}, warmup=1, how="peak") == 4.0
     with pytest.raises(ValueError, match="no steps after the 3 warm-up steps"):
         aggregate(series, warmup=3, how="rate")
+
+
+def test_profiled_arms_trace_their_last_step(tmp_path):
+    cmd = arm_command("mhar_triton", tmp_path, nproc=1, steps=14, smoke=False, profile=True)
+    assert cmd[cmd.index("--profiling.profile_freq") + 1] == "14" and "--profiling.enable_profiling" in cmd
+    assert "--profiling.enable_profiling" not in arm_command("control", tmp_path, nproc=1, steps=14, smoke=False)
+
+
+def test_trace_summary_sums_gpu_time_by_kernel_kind(tmp_path):
+    from mhar_titan.trace_summary import summarise
+
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "_route_fwd_kernel", "ts": 0, "dur": 1500},
+        {"ph": "X", "cat": "kernel", "name": "_route_bwd_mix_kernel", "ts": 2000, "dur": 500},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_hsh_256x128_gemm", "ts": 3000, "dur": 4000},
+        {"ph": "X", "cat": "kernel", "name": "triton_per_fused_add_0", "ts": 7000, "dur": 250},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 7500, "dur": 500},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99999},  # CPU: not GPU time
+    ]
+    path = tmp_path / "rank0_trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = summarise(path)
+    assert s["by_kind"] == {"routing": 2.0, "matmul": 4.0, "compiled (triton)": 0.25, "copies/memset": 0.5}
+    assert s["gpu_ms"] == 6.75 and s["span_ms"] == 8.0
