@@ -582,7 +582,7 @@ def _backward(
     _launch_stats(grid, warps, consts, dout, srcs, z, q, g, gate, coef, m, eps)
 
     dsrcs = tuple(_empty_like(s) for s in srcs)
-    block_m = _cpu_rows(m) if _interpreting() else MIX["block_m"]
+    block_m = _cpu_rows(m) if interp else MIX["block_m"]
     grid, warps, consts = _mix_launch(m, d, num_heads, n, block_m, MIX["block_kc"], MIX["warps"])
     parts = grid[0]
     t_part = _empty((2, parts, d), **f32)  # query/norm-weight sums, then the null's mixing term

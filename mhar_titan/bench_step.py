@@ -16,7 +16,7 @@ per-block compile, 4 MHAR blocks, EMA every 10 steps as in configs/marin8b_*.tom
 `--profile` also traces each arm's last step with torchtitan's profiler (the two steps it
 takes are left out of the throughput) and prints GPU time by kernel kind, arm beside arm.
 
-    python -m mhar_titan.bench_step [--arms stock,control,mhar_triton,mhar_compile] [--steps 12] [--warmup 4]
+    python -m mhar_titan.bench_step [--arms stock,control,...] [--steps 14] [--warmup 4] [--profile]
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--steps", type=int, default=14, help="with --warmup 4: ten timed steps, one EMA update")
-    parser.add_argument("--warmup", type=int, default=4, help="steps left out of the medians (compile, caches)")
+    parser.add_argument("--warmup", type=int, default=4, help="steps left out of the figures (compile, caches)")
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--out", default="runs/bench-step")
     parser.add_argument("--smoke", action="store_true", help="tiny flavor on CPU: the plumbing, not a speed")

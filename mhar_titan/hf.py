@@ -43,6 +43,7 @@ ROUTING_INIT = {"query": "zeros", "norm_weight": "ones", "null": "zeros", "gate"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # CLI names
 _OUR_ROUTING = re.compile(r"^layers\.(\d+)\.(attn|ffn)_routing\.(\w+)$")
 _HF_ROUTING = re.compile(r"^model\.layers\.(\d+)\.mhar\.(attn|ffn)\.(\w+)$")
 
@@ -545,19 +546,18 @@ def main(argv: list[str] | None = None) -> None:
     p_export.add_argument("out_dir")
     p_export.add_argument("--step", type=int, default=None, help="default: the latest complete checkpoint")
     p_export.add_argument("--ema", action="store_true", help="the EMA weights instead of the raw ones")
-    p_export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p_export.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p_export.add_argument("--no-routing", action="store_true", help="plain Llama (only while every gate is 0)")
     p_init = sub.add_parser("init", help="a randomly initialised base checkpoint of a flavor")
     p_init.add_argument("out_dir")
     p_init.add_argument("--flavor", default="tiny")
     p_init.add_argument("--tokenizer", default=None, help="folder whose tokenizer files are copied in")
     p_init.add_argument("--seed", type=int, default=0)
-    p_init.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32")
+    p_init.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     p_init.add_argument("--device", default="cpu", help="where to initialise (cuda: an 8B model in seconds)")
     args = parser.parse_args(argv)
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     if args.cmd == "init":
-        init_hf(args.out_dir, args.flavor, args.tokenizer, args.seed, dtypes[args.dtype], args.device)
+        init_hf(args.out_dir, args.flavor, args.tokenizer, args.seed, DTYPES[args.dtype], args.device)
         print(f"wrote a random {args.flavor} base checkpoint (seed {args.seed}, {args.dtype}) to {args.out_dir}")
     elif args.cmd == "inspect":
         print(inspect(args.path, MHAR(enable=True) if args.mhar else None))
@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> None:
         model = load_run_checkpoint(args.run_dir, args.step, ema=args.ema)
         _, base = run_model_args(args.run_dir)
         base = base if base and fsspec.core.url_to_fs(base)[0].exists(_join(base, "config.json")) else None
-        export_hf(model, args.out_dir, base_path=base, dtype=dtypes[args.dtype], include_routing=not args.no_routing)
+        export_hf(model, args.out_dir, base_path=base, dtype=DTYPES[args.dtype], include_routing=not args.no_routing)
         print(f"exported {checkpoint_step_dir(args.run_dir, args.step)} to {args.out_dir} ({args.dtype})")
 
 

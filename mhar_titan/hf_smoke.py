@@ -17,9 +17,7 @@ import time
 import torch
 
 from mhar_titan.config import MHAR
-from mhar_titan.hf import init_hf, load_hf_model
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+from mhar_titan.hf import DTYPES, init_hf, load_hf_model
 
 
 def _peak_gib(device: torch.device) -> float | None:

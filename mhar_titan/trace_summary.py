@@ -22,7 +22,7 @@ KINDS = [
     ("attention", re.compile(r"flash|fmha|attention|cudnn", re.I)),
     ("nccl", re.compile(r"nccl", re.I)),
     ("compiled (triton)", re.compile(r"^triton_")),
-    ("optimizer", re.compile(r"multi_tensor_apply|fused_adam|foreach|lerp", re.I)),
+    ("optimizer, EMA", re.compile(r"multi_tensor_apply|fused_adam|foreach|lerp", re.I)),
     ("eager elementwise/reduce", re.compile(r"at::native|elementwise|reduce_kernel", re.I)),
 ]
 

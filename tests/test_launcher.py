@@ -51,6 +51,12 @@ def run(*cmd: str, env: dict[str, str] | None = None, check: bool = True) -> sub
     return subprocess.run(list(cmd), cwd=REPO, env=full_env, capture_output=True, text=True, check=check)
 
 
+def launch_fake(dump, fake_python: str, mode: str) -> subprocess.CompletedProcess:
+    """launch/torchrun.sh on one process of the fake trainer in `mode`, its exit code unchecked."""
+    env = {"PYTHON": fake_python, "FAKE_MODE": mode}
+    return run(SCRIPT, "--nproc", "1", CONTROL, "--job.dump_folder", str(dump), env=env, check=False)
+
+
 @pytest.fixture
 def fake_python(tmp_path):
     path = tmp_path / "python"
@@ -157,16 +163,7 @@ def test_stale_marker_does_not_count(tmp_path, fake_python, mode, code):
     (dump / "STOP").touch()  # left by a run killed before its trainer saw it
     old = time.time() - 3600
     os.utime(stale, (old, old))
-    proc = run(
-        SCRIPT,
-        "--nproc",
-        "1",
-        CONTROL,
-        "--job.dump_folder",
-        str(dump),
-        env={"PYTHON": fake_python, "FAKE_MODE": mode},
-        check=False,
-    )
+    proc = launch_fake(dump, fake_python, mode)
     assert proc.returncode == code, proc.stderr
     assert (dump / "launched").exists()
     assert not (dump / "STOP").exists()
@@ -174,16 +171,7 @@ def test_stale_marker_does_not_count(tmp_path, fake_python, mode, code):
 
 def test_new_marker_without_signal_exits_75(tmp_path, fake_python):
     dump = tmp_path / "run"
-    proc = run(
-        SCRIPT,
-        "--nproc",
-        "1",
-        CONTROL,
-        "--job.dump_folder",
-        str(dump),
-        env={"PYTHON": fake_python, "FAKE_MODE": "preempt"},
-        check=False,
-    )
+    proc = launch_fake(dump, fake_python, "preempt")
     assert proc.returncode == 75, proc.stderr
 
 
