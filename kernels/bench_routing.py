@@ -157,40 +157,52 @@ def sweep_case(fns: dict[str, Callable], args, bw: float, d: int, n: int) -> Non
 
 
 def tune(args, bw: float) -> None:
-    """Time launch shapes of each kernel (one call, N=9, the 8B width): the forward alone,
-    and the whole backward while one of its kernels' shapes varies."""
+    """Time launch shapes of each kernel at the 8B width: the forward alone for every number of
+    caller sources (its table is keyed by it), and the whole backward while one of its kernels'
+    shapes varies, at 2 and 8 caller sources. GPU time of back-to-back calls (Triton's do_bench),
+    so the Python launch cost of one call, which CUDA events around it would include, is not."""
     import itertools
+
+    from triton.testing import do_bench
 
     from kernels import routing_triton as rt
 
     dev = {"device": "cuda", "dtype": DTYPE}
-    d, n = args.dim, 9
+    d = args.dim
     x = torch.randn(args.batch, args.seq, d, **dev)
-    srcs = [torch.randn_like(x) for _ in range(n - 1)]
     z, q, g = (0.5 * torch.randn(d, **dev) for _ in range(3))
     gate = torch.randn(1, **dev)
     dout = torch.randn_like(x)
     unit = x.numel() * x.element_size()
-    fwd_bytes = (n + 1) * unit
-    bwd_bytes = (2 + 3 * (n - 1)) * unit  # dout twice, each source twice, each gradient once
-    defaults = {name: dict(getattr(rt, name)) for name in ("FWD", "STATS", "MIX")}
-    print("| kernel | launch | ms | bytes / ms vs copy bw |")
-    print("|---|---|---|---|")
-    for rows, warps in itertools.product((1, 2, 4), (4, 8, 16)):
-        rt.FWD.update(rows=rows, warps_per_4096=warps)
-        ms = timed(lambda: rt._forward(x, srcs, z, q, g, gate, args.heads, 1e-5), 10)
-        print(f"| fwd | rows {rows}, {warps} warps | {ms:.3f} | {fwd_bytes / (ms * 1e-3) / bw:.0%} |")
-    rt.FWD.update(defaults["FWD"])
-    for rows, warps in itertools.product((1, 2, 4), (4, 8, 16)):
-        rt.STATS.update(rows=rows, warps_per_4096=warps)
-        ms = timed(lambda: rt._backward(dout, srcs, z, q, g, gate, args.heads, 1e-5), 10)
-        print(f"| bwd | stats rows {rows}, {warps} warps | {ms:.3f} | {bwd_bytes / (ms * 1e-3) / bw:.0%} |")
-    rt.STATS.update(defaults["STATS"])
-    for block_m, block_kc, warps in itertools.product((16, 32, 64), (64, 128, 256), (4, 8)):
-        rt.MIX.update(block_m=block_m, block_kc=block_kc, warps=warps)
-        ms = timed(lambda: rt._backward(dout, srcs, z, q, g, gate, args.heads, 1e-5), 10)
-        print(f"| bwd | mix {block_m}x{block_kc}, {warps} warps | {ms:.3f} | {bwd_bytes / (ms * 1e-3) / bw:.0%} |")
-    rt.MIX.update(defaults["MIX"])
+    defaults = {"FWD": {n: dict(v) for n, v in rt.FWD.items()}, "STATS": dict(rt.STATS), "MIX": dict(rt.MIX)}
+    print("| kernel | sources | launch | ms | bytes / ms vs copy bw |")
+    print("|---|---|---|---|---|")
+
+    def fwd(srcs: list[torch.Tensor], label: str) -> None:
+        ms = do_bench(lambda: rt._forward(x, srcs, z, q, g, gate, args.heads, 1e-5), warmup=10, rep=50)
+        print(f"| fwd | {len(srcs)} | {label} | {ms:.3f} | {(len(srcs) + 2) * unit / (ms * 1e-3) / bw:.0%} |")
+
+    def bwd(srcs: list[torch.Tensor], label: str) -> None:
+        ms = do_bench(lambda: rt._backward(dout, srcs, z, q, g, gate, args.heads, 1e-5), warmup=10, rep=50)
+        nbytes = (2 + 3 * len(srcs)) * unit  # dout twice, each source twice, each gradient once
+        print(f"| bwd | {len(srcs)} | {label} | {ms:.3f} | {nbytes / (ms * 1e-3) / bw:.0%} |")
+
+    for n in range(1, rt.MAX_SOURCES + 1):
+        srcs = [torch.randn_like(x) for _ in range(n)]
+        for rows, warps, maxnreg in [(2, 8, None), (2, 8, 80), (2, 4, None), (2, 16, 64), (4, 8, None)]:
+            rt.FWD[n] = {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg}
+            fwd(srcs, f"rows {rows}, {warps} warps, registers <= {maxnreg or 'any'}")
+        rt.FWD[n] = defaults["FWD"][n]
+    for n in (2, 8):
+        srcs = [torch.randn_like(x) for _ in range(n)]
+        for rows, warps in itertools.product((1, 2), (4, 8)):
+            rt.STATS.update(rows=rows, warps_per_4096=warps)
+            bwd(srcs, f"stats rows {rows}, {warps} warps")
+        rt.STATS.update(defaults["STATS"])
+        for block_m, block_kc, warps in [(16, 64, 4), (32, 64, 4), (16, 128, 4), (32, 128, 8)]:
+            rt.MIX.update(block_m=block_m, block_kc=block_kc, warps=warps)
+            bwd(srcs, f"mix {block_m}x{block_kc}, {warps} warps")
+        rt.MIX.update(defaults["MIX"])
 
 
 def profile(args) -> None:

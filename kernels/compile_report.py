@@ -24,7 +24,7 @@ from kernels import routing_triton as rt
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def compile_sm90(fn, types: dict[str, object], consts: dict[str, object], num_warps: int):
+def compile_sm90(fn, types: dict[str, object], consts: dict[str, object], num_warps: int, maxnreg: int | None = None):
     """Triton-compile `fn` for sm_90 with every pointer and M assumed 16-aligned (as at 8B)."""
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(p.name for p in fn.params):
@@ -38,7 +38,8 @@ def compile_sm90(fn, types: dict[str, object], consts: dict[str, object], num_wa
         elif kind.startswith("*") or name == "M":
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def ptxas_usage(ptx: str) -> dict[str, int]:
@@ -72,11 +73,15 @@ def main() -> None:
     print(f"sm_90, d={d}, H={h}, {n} sources, {args.dtype}")
     print("| kernel | launch | warps | registers | spill bytes |")
     print("|---|---|---|---|---|")
-    for name, fn, launch in [("fwd", rt._route_fwd_kernel, rt.FWD), ("stats", rt._route_bwd_stats_kernel, rt.STATS)]:
-        for warps_per_4096 in (4, 8, 16):
+    fwd = rt.FWD[n]
+    for name, fn, launch in [("fwd", rt._route_fwd_kernel, fwd), ("stats", rt._route_bwd_stats_kernel, rt.STATS)]:
+        for warps_per_4096 in sorted({4, 8, 16, launch["warps_per_4096"]}):
             _, warps, consts = rt._row_launch(m, d, h, n, launch["rows"], warps_per_4096)
-            use = ptxas_usage(compile_sm90(fn, types, consts, warps).asm["ptx"])
-            print(f"| {name} | rows {launch['rows']} | {warps} | {use['registers']} | {use['spill_bytes']} |")
+            # the forward's register cap applies to its own launch shape only
+            cap = launch.get("maxnreg") if warps_per_4096 == launch["warps_per_4096"] else None
+            use = ptxas_usage(compile_sm90(fn, types, consts, warps, cap).asm["ptx"])
+            shape = f"rows {launch['rows']}" + (f", registers <= {cap}" if cap else "")
+            print(f"| {name} | {shape} | {warps} | {use['registers']} | {use['spill_bytes']} |")
     for block_m, block_kc, warps in [(32, 64, 4), (32, 128, 4), (64, 64, 4), (32, 128, 8)]:
         _, warps, consts = rt._mix_launch(m, d, h, n, block_m, block_kc, warps)
         use = ptxas_usage(compile_sm90(rt._route_bwd_mix_kernel, types, consts, warps).asm["ptx"])

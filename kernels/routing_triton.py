@@ -155,15 +155,20 @@ def _route_fwd_kernel(
         den = tl.full([BLOCK_H], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
         logits = tl.where(nn == 0, z_logit[None, :], 0.0)
-        # Each source's load is issued one iteration ahead, so it overlaps the
-        # reductions of the previous one.
-        s_next = _load_raw(SRCS[0] + base + cols, row_mask, EVEN)
+        # Loads run two sources ahead (then x), so they overlap the reductions of the
+        # previous two: s_a is the tile in use next, s_b the one after it.
+        s_a = _load_raw(SRCS[0] + base + cols, row_mask, EVEN)
+        if NUM_SRC > 1:
+            s_b = _load_raw(SRCS[1] + base + cols, row_mask, EVEN)
+        else:
+            s_b = _load_raw(X + base + cols, row_mask, EVEN)
         for i in tl.static_range(NUM_SRC):
-            s = s_next.to(tl.float32)
-            if i + 1 < NUM_SRC:
-                s_next = _load_raw(SRCS[i + 1] + base + cols, row_mask, EVEN)
-            else:
-                s_next = _load_raw(X + base + cols, row_mask, EVEN)
+            s = s_a.to(tl.float32)
+            s_a = s_b
+            if i + 2 < NUM_SRC:
+                s_b = _load_raw(SRCS[i + 2] + base + cols, row_mask, EVEN)
+            elif i + 2 == NUM_SRC:
+                s_b = _load_raw(X + base + cols, row_mask, EVEN)
             qg = _param(Q, cols, mask) * _param(G, cols, mask)
             ss, sq = _row_sums2(s * s, s * qg, JOINT)
             lg = sq * tl.rsqrt(tl.sum(ss) / D + eps)
@@ -175,7 +180,7 @@ def _route_fwd_kernel(
             m = m_new
             logits = tl.where(nn == i + 1, lg[None, :], logits)
         acc += tl.exp(z_logit - m)[:, None] * _param(NULL, cols, mask)
-        out = s_next.to(tl.float32) + gate * (acc / den[:, None])
+        out = s_a.to(tl.float32) + gate * (acc / den[:, None])  # s_a holds x by now
         _store(OUT + base + cols, out, row_mask, EVEN)
         w = tl.exp(logits - m[None, :]) / den[None, :]
         tl.store(W + nn * (M * H) + row * H + hw, w, mask=w_mask & (row < M))
@@ -382,9 +387,17 @@ def _route_bwd_finish_kernel(
 
 
 # Launch shapes (measured on an H200, see docs/performance.md; `python -m kernels.bench_routing
-# --tune` times the alternatives). Row kernels: rows each program walks and warps per 4096
-# columns. Mix kernel: tile rows, tile columns (within one head) and warps.
-FWD = {"rows": 2, "warps_per_4096": 8}
+# --tune` times the alternatives). Row kernels: rows each program walks, warps per 4096 columns
+# and, for the forward, a register cap per thread (None: ptxas decides), by the number of
+# caller sources, since registers grow with it. Mix kernel: tile rows, tile columns (within
+# one head) and warps.
+FWD = {
+    1: {"rows": 2, "warps_per_4096": 8, "maxnreg": None},
+    2: {"rows": 2, "warps_per_4096": 8, "maxnreg": 80},
+    3: {"rows": 2, "warps_per_4096": 8, "maxnreg": None},
+    4: {"rows": 2, "warps_per_4096": 8, "maxnreg": None},
+    **{n: {"rows": 2, "warps_per_4096": 4, "maxnreg": None} for n in range(5, MAX_SOURCES + 1)},
+}
 STATS = {"rows": 1, "warps_per_4096": 4}
 MIX = {"block_m": 32, "block_kc": 64, "warps": 4}
 
@@ -413,17 +426,18 @@ class _Launcher:
             return None
         return arg == 1, arg % 16 == 0, arg >= 2**31
 
-    def __call__(self, grid: tuple[int, ...], num_warps: int, consts: dict, *args) -> None:
+    def __call__(self, grid: tuple[int, ...], num_warps: int, consts: dict, *args, maxnreg: int | None = None) -> None:
         if _interpreting():
             self.fn[grid](*args, num_warps=num_warps, **consts)
             return
         device = torch.cuda.current_device()
-        key = (device, num_warps, tuple(consts.items()), tuple(self._key(a) for a in args))
+        key = (device, num_warps, maxnreg, tuple(consts.items()), tuple(self._key(a) for a in args))
         binary = self.binaries.get(key)
         if binary is None:
             if list(consts) != self.fn.arg_names[len(args) :]:  # the binary takes them positionally
                 raise RuntimeError(f"{self.fn.__name__}: constexprs {list(consts)} out of signature order")
-            self.binaries[key] = self.fn[grid](*args, num_warps=num_warps, **consts)
+            options = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
+            self.binaries[key] = self.fn[grid](*args, **options, **consts)
             return
         grid = (*grid, 1, 1)
         stream = torch._C._cuda_getCurrentRawStream(device)
@@ -549,10 +563,11 @@ def _forward(
     out = _empty_like(xs)
     weights = _empty((len(srcs) + 1, *x.shape[:-1], num_heads), device=x.device, dtype=torch.float32)
     interp = _interpreting()
-    rows = _cpu_rows(m) if interp else FWD["rows"]
-    grid, warps, consts = _row_launch(m, d, num_heads, len(srcs), rows, FWD["warps_per_4096"], not interp)
+    launch = FWD[len(srcs)]
+    rows = _cpu_rows(m) if interp else launch["rows"]
+    grid, warps, consts = _row_launch(m, d, num_heads, len(srcs), rows, launch["warps_per_4096"], not interp)
     params = (null.contiguous(), query.contiguous(), norm_weight.contiguous(), gate.contiguous())
-    _launch_fwd(grid, warps, consts, xs, srcs, *params, out, weights, m, eps)
+    _launch_fwd(grid, warps, consts, xs, srcs, *params, out, weights, m, eps, maxnreg=launch["maxnreg"])
     return out, weights
 
 

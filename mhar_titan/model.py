@@ -137,6 +137,21 @@ class MHARBlock(TransformerBlock):
                 site.reset_parameters()
 
 
+class BlockDelta(nn.Module):
+    """D_k: the sum of a block's sublayer outputs a + m, in fp32, never h_end - h_start,
+    which cancels catastrophically in bf16 once the stream is large.
+
+    A module of its own so that per-block compile can fuse the sum into one kernel
+    (parallelize.py); it holds no parameters.
+    """
+
+    def forward(self, deltas: list[torch.Tensor]) -> torch.Tensor:
+        acc = deltas[0].float()
+        for delta in deltas[1:]:
+            acc = acc + delta
+        return acc.to(deltas[0].dtype)
+
+
 class MHARTransformer(Transformer):
     """Llama-3.1 whose blocks route over depth when `model_args.mhar.enable`.
 
@@ -156,6 +171,7 @@ class MHARTransformer(Transformer):
         self.layers = nn.ModuleDict({str(i): MHARBlock(i, model_args) for i in range(model_args.n_layers)})
         self.norm = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+        self.block_delta = BlockDelta()
         self.routing_stats: torch.Tensor | None = None
 
     def forward(
@@ -170,22 +186,19 @@ class MHARTransformer(Transformer):
         h = self.tok_embeddings(tokens)
         sources = [h]
         per_block = self.model_args.layers_per_block
-        last = self.n_layers - 1
-        acc: torch.Tensor | None = None
+        deltas: list[torch.Tensor] = []
         stats = []
         for i, layer in enumerate(self.layers.values()):
             h, delta, site_stats = layer(h, self.freqs_cis, attention_masks, positions, sources=sources)
             stats.append(site_stats)
             if i >= self.n_layers - per_block:
                 continue  # the last block's delta is never a source
-            # D_k sums the block's sublayer outputs themselves (fp32), never h_end - h_start,
-            # which cancels catastrophically in bf16 once the stream is large.
-            acc = delta.float() if acc is None else acc + delta
-            if (i + 1) % per_block == 0 and i < last:
+            deltas.append(delta)
+            if len(deltas) == per_block:
                 # A new list: activation checkpointing re-runs earlier layers with the list
                 # they were given, so it must never grow in place.
-                sources = [*sources, acc.to(h.dtype)]
-                acc = None
+                sources = [*sources, self.block_delta(deltas)]
+                deltas = []
         self.routing_stats = torch.stack(stats).detach()
         h = self.norm(h)
         return self.output(h)
