@@ -436,8 +436,8 @@ class _Launcher:
         if binary is None:
             if list(consts) != self.fn.arg_names[len(args) :]:  # the binary takes them positionally
                 raise RuntimeError(f"{self.fn.__name__}: constexprs {list(consts)} out of signature order")
-            options = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
-            self.binaries[key] = self.fn[grid](*args, **options, **consts)
+            cap = {} if maxnreg is None else {"maxnreg": maxnreg}
+            self.binaries[key] = self.fn[grid](*args, num_warps=num_warps, **cap, **consts)
             return
         grid = (*grid, 1, 1)
         stream = torch._C._cuda_getCurrentRawStream(device)
