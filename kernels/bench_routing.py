@@ -3,10 +3,14 @@
 The 8B geometry of DESIGN.md section 3: B=2, T=4096, d=4096, H=8, 32 layers x 2
 sites in 8 blocks of 4 layers, so the 64 calls route over 1..8 sources (plus
 the null source), 288 source reads in all. Every call is checkpointed on its
-own, as under per-call activation checkpointing: its backward re-runs its
-forward. Prints fwd ms, fwd+bwd ms, peak memory, speedups, and the forward's
-achieved bandwidth against a device-to-device copy measured in the same run;
-then a sweep over N and d for a single call.
+own (torch.utils.checkpoint, non-reentrant, default options), as under per-call
+activation checkpointing of the model's RoutingSite modules, and called as the
+model calls one: site(x, sources), parameters held by the site, sources in one
+list, marked with `routing_source`. The backward re-runs a call's forward when
+the call saved activations (torch.compile, eager); the triton op saves none and
+is not re-run. Prints fwd ms, fwd+bwd ms, peak memory, speedups, and the
+forward's achieved bandwidth against a device-to-device copy measured in the
+same run; then a sweep over N and d for a single call.
 
     python -m kernels.bench_routing            (make bench-kernels)
 """
@@ -14,31 +18,41 @@ then a sweep over N and d for a single call.
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
+import itertools
 import statistics
 from collections.abc import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from kernels.routing import route_torch
+from kernels.routing import route_torch, routing_source
 from kernels.routing_triton import route_triton
 
 DTYPE = torch.bfloat16
 
 
 def timed(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
-    """Median milliseconds of fn() over reps, timed with CUDA events after warm-up."""
+    """Median milliseconds of fn() over reps, timed with CUDA events after warm-up, with
+    Python's garbage collector off while timing (as timeit does): a collection pass in a
+    rep is host noise, not the cost of what is timed."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    gc.collect()
+    gc.disable()
+    try:
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    finally:
+        gc.enable()
     return statistics.median(times)
 
 
@@ -61,6 +75,12 @@ def route_fns(num_heads: int, eps: float) -> dict[str, Callable]:
         return route_torch(x, srcs, null, q, g, gate, num_heads=num_heads, eps=eps)[0]
 
     return {"triton": triton_fn, "compile": torch.compile(torch_fn, dynamic=False), "eager": torch_fn}
+
+
+def _site(fn: Callable, params: list[torch.Tensor], x: torch.Tensor, sources: list[torch.Tensor]) -> torch.Tensor:
+    """One routing site, called as the model calls a RoutingSite module, site(x, sources):
+    its parameters are bound, the sources one list."""
+    return fn(x, *params, *sources)
 
 
 class Microbatch:
@@ -90,8 +110,12 @@ class Microbatch:
             for x, n, params in self.calls:
                 fn(x, *params, *self.sources[:n])
 
-    def forward_backward(self, fn: Callable) -> None:
-        outs = [checkpoint(fn, x, *params, *self.sources[:n], use_reentrant=False) for x, n, params in self.calls]
+    def forward_backward(self, fn: Callable, backend: str) -> None:
+        srcs = [routing_source(s, backend) for s in self.sources]
+        outs = [
+            checkpoint(functools.partial(_site, fn, params), x, srcs[:n], use_reentrant=False)
+            for x, n, params in self.calls
+        ]
         torch.autograd.backward(outs, [self.grad_out] * len(outs))
         for t in [*self.sources] + [p for x, _, ps in self.calls for p in (x, *ps)]:
             t.grad = None
@@ -106,7 +130,8 @@ def bench_microbatch(args, bw: float) -> list[dict]:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        fwd_bwd = timed(lambda fn=fn: mb.forward_backward(fn), reps)
+        backend = "triton" if name == "triton" else "torch"
+        fwd_bwd = timed(lambda fn=fn, backend=backend: mb.forward_backward(fn, backend), reps)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
         rows.append({"backend": name, "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "peak_gib": peak})
     ref = {r["backend"]: r for r in rows}
@@ -147,7 +172,7 @@ def sweep_case(fns: dict[str, Callable], args, bw: float, d: int, n: int) -> Non
             fn(x, *params, *srcs)
 
     def fwd_bwd(fn):
-        checkpoint(fn, x, *params, *srcs, use_reentrant=False).backward(dout)
+        checkpoint(functools.partial(_site, fn, params), x, srcs, use_reentrant=False).backward(dout)
 
     t_fwd = timed(lambda: fwd(fns["triton"]), args.reps * 4)
     t_tri = timed(lambda: fwd_bwd(fns["triton"]), args.reps * 4)
@@ -161,8 +186,6 @@ def tune(args, bw: float) -> None:
     caller sources (its table is keyed by it), and the whole backward while one of its kernels'
     shapes varies, at 2 and 8 caller sources. GPU time of back-to-back calls (Triton's do_bench),
     so the Python launch cost of one call, which CUDA events around it would include, is not."""
-    import itertools
-
     from triton.testing import do_bench
 
     from kernels import routing_triton as rt
@@ -174,7 +197,13 @@ def tune(args, bw: float) -> None:
     gate = torch.randn(1, **dev)
     dout = torch.randn_like(x)
     unit = x.numel() * x.element_size()
-    defaults = {"FWD": {n: dict(v) for n, v in rt.FWD.items()}, "STATS": dict(rt.STATS), "MIX": dict(rt.MIX)}
+    defaults = {
+        "FWD": {n: dict(v) for n, v in rt.FWD.items()},
+        "STATS": dict(rt.STATS),
+        "MIX": dict(rt.MIX),
+        "FINISH": dict(rt.FINISH),
+    }
+    kernels = args.tune.split(",")
     print("| kernel | sources | launch | ms | bytes / ms vs copy bw |")
     print("|---|---|---|---|---|")
 
@@ -187,13 +216,13 @@ def tune(args, bw: float) -> None:
         nbytes = (2 + 3 * len(srcs)) * unit  # dout twice, each source twice, each gradient once
         print(f"| bwd | {len(srcs)} | {label} | {ms:.3f} | {nbytes / (ms * 1e-3) / bw:.0%} |")
 
-    for n in range(1, rt.MAX_SOURCES + 1):
+    for n in range(1, rt.MAX_SOURCES + 1) if "fwd" in kernels else ():
         srcs = [torch.randn_like(x) for _ in range(n)]
         for rows, warps, maxnreg in [(2, 8, None), (2, 8, 80), (2, 4, None), (2, 16, 64), (4, 8, None)]:
             rt.FWD[n] = {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg}
             fwd(srcs, f"rows {rows}, {warps} warps, registers <= {maxnreg or 'any'}")
         rt.FWD[n] = defaults["FWD"][n]
-    for n in (2, 8):
+    for n in (2, 8) if "bwd" in kernels else ():
         srcs = [torch.randn_like(x) for _ in range(n)]
         for rows, warps in itertools.product((1, 2), (4, 8)):
             rt.STATS.update(rows=rows, warps_per_4096=warps)
@@ -203,6 +232,24 @@ def tune(args, bw: float) -> None:
             rt.MIX.update(block_m=block_m, block_kc=block_kc, warps=warps)
             bwd(srcs, f"mix {block_m}x{block_kc}, {warps} warps")
         rt.MIX.update(defaults["MIX"])
+    if "finish" in kernels:
+        finish(rt, x, z, q, g, gate, args.heads, defaults["FINISH"])
+
+
+def finish(rt, x, z, q, g, gate, num_heads: int, default: dict) -> None:
+    """The finishing kernel alone, on the partials of one 8B-width call."""
+    from triton.testing import do_bench
+
+    m, d = x.numel() // x.shape[-1], x.shape[-1]
+    parts = -(-m // rt.MIX["block_m"])
+    work = torch.randn(parts * (2 * d + num_heads + 1), device=x.device)
+    grads = [torch.empty_like(t) for t in (z, q, g, gate)]
+    for block_c, block_p, warps in itertools.product((16, 32, 64), (32, 64, 128, 256), (4, 8)):
+        launch = rt._finish_launch(d, num_heads, parts, block_c, block_p, warps)
+        ms = do_bench(lambda launch=launch: rt._launch_finish(*launch, work, z, q, g, *grads, 1e-5), warmup=10, rep=50)
+        mark = " (default)" if (block_c, block_p, warps) == tuple(default.values()) else ""
+        shape = f"{block_c} columns, {block_p} partials a step, {warps} warps{mark}"
+        print(f"| finish | - | {shape} | {ms:.4f} | |")
 
 
 def profile(args) -> None:
@@ -212,10 +259,10 @@ def profile(args) -> None:
 
     mb = Microbatch(args.batch, args.seq, args.dim, args.layers, args.blocks)
     fn = route_fns(args.heads, 1e-5)["triton"]
-    mb.forward_backward(fn)
+    mb.forward_backward(fn, "triton")
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        mb.forward_backward(fn)
+        mb.forward_backward(fn, "triton")
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
 
@@ -232,7 +279,9 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--sweep-only", action="store_true")
     parser.add_argument("--profile", action="store_true", help="profile the triton microbatch instead")
-    parser.add_argument("--tune", action="store_true", help="time kernel launch shapes instead")
+    parser.add_argument(
+        "--tune", nargs="?", const="fwd,bwd,finish", help="time launch shapes of these kernels (fwd,bwd,finish) instead"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_routing needs a CUDA GPU")

@@ -67,8 +67,7 @@ def main() -> None:
     p, f32 = f"*{args.dtype}", "*fp32"
     types = {
         "X": p, "SRCS": (p,) * n, "DSRCS": (p,) * n, "NULL": p, "Q": p, "G": p, "GATE": p, "OUT": p,
-        "DOUT": p, "W": f32, "COEF": f32, "T_PART": f32, "W0DO_PART": f32, "DL0_PART": f32,
-        "DGATE_PART": f32, "M": "i32", "eps": "fp32",
+        "DOUT": p, "W": f32, "COEF": f32, "WORK": f32, "M": "i32", "eps": "fp32",
     }  # fmt: skip
     print(f"sm_90, d={d}, H={h}, {n} sources, {args.dtype}")
     print("| kernel | launch | warps | registers | spill bytes |")

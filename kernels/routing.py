@@ -73,6 +73,20 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def routing_source(source: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """Mark a tensor that many routing calls will read (the embedding, a block delta).
+
+    With the triton backend, eager calls then add their gradients for it into one buffer
+    inside their backward kernel, rather than autograd summing one new tensor per call.
+    Other backends, and code that only reads the tensor, see it unchanged.
+    """
+    if resolve_backend(backend, source.device) == "triton":
+        from kernels.routing_triton import share_source_grad
+
+        return share_source_grad(source)
+    return source
+
+
 def mhar_route_with_weights(
     x: torch.Tensor,
     sources: Sequence[torch.Tensor],

@@ -12,8 +12,12 @@ Backward, three kernels, none with atomics (repeated runs are bitwise equal):
   reduction, that writes every source's gradient and per-block partial sums of
   the weight gradients;
 - finish: sums those partials in a fixed order.
-The backward needs only the op's inputs: nothing but them is saved, so per-call
-activation checkpointing has nothing else to keep.
+The backward needs only the op's inputs. The eager path keeps them on its autograd
+context, not through save_for_backward, so an activation checkpoint around a call has
+nothing to unpack and never re-runs the forward. A source marked with
+`share_source_grad` (kernels.routing.routing_source) has its gradient summed in place
+by the mix kernel across the eager calls that read it, instead of one new tensor per
+call for autograd to add.
 
 Registered as `torch.ops.mhar.route_fwd` / `route_bwd` custom ops with autograd,
 so torch.compile keeps them in its graph instead of breaking at every call; eager
@@ -229,23 +233,30 @@ def _route_bwd_stats_kernel(
         row_mask = mask & (row < M)
         base = row * D
         do = _load_raw(DOUT + base + cols, row_mask, EVEN).to(tl.float32)
-        s_next = _load_raw(SRCS[0] + base + cols, row_mask, EVEN)
+        # loads run two sources ahead of the reductions, as in the forward
+        s_a = _load_raw(SRCS[0] + base + cols, row_mask, EVEN)
+        if NUM_SRC > 1:
+            s_b = _load_raw(SRCS[1] + base + cols, row_mask, EVEN)
         c = tl.where(nn == 0, tl.sum(do * _param(NULL, cols, mask), axis=1)[None, :], 0.0)
-        lg = tl.where(nn == 0, z_logit[None, :], float("-inf"))
         a = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
-        rstds = tl.zeros([BLOCK_N, 1], tl.float32)
+        ssh = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
         for i in tl.static_range(NUM_SRC):
-            s = s_next.to(tl.float32)
+            s = s_a.to(tl.float32)
             if i + 1 < NUM_SRC:
-                s_next = _load_raw(SRCS[i + 1] + base + cols, row_mask, EVEN)
+                s_a = s_b
+            if i + 2 < NUM_SRC:
+                s_b = _load_raw(SRCS[i + 2] + base + cols, row_mask, EVEN)
             qg = _param(Q, cols, mask) * _param(G, cols, mask)
             ss, sd, sq = _row_sums3(s * s, s * do, s * qg, JOINT)
-            rstd = tl.rsqrt(tl.sum(ss) / D + eps)
             sel = nn == i + 1
             c = tl.where(sel, sd[None, :], c)
             a = tl.where(sel, sq[None, :], a)
-            lg = tl.where(sel, (sq * rstd)[None, :], lg)
-            rstds = tl.where(sel, rstd, rstds)
+            ssh = tl.where(sel, ss[None, :], ssh)
+        # Unlike the forward's online softmax, nothing here needs a source's norm before the
+        # next source: all of them are summed over heads at once (one cross-warp sum, not N).
+        # Row 0 (the null, normed by its own logit) and padding rows are not used.
+        rstds = tl.rsqrt(tl.sum(ssh, axis=1)[:, None] / D + eps)
+        lg = tl.where(nn == 0, z_logit[None, :], tl.where(nn <= NUM_SRC, a * rstds, float("-inf")))
         e = tl.exp(lg - tl.max(lg, axis=0)[None, :])
         w = e / tl.sum(e, axis=0)[None, :]
         dot = tl.sum(w * c, axis=0)
@@ -259,17 +270,20 @@ def _route_bwd_stats_kernel(
 
 
 @triton.jit
+def _partials(PARTS, P, D: tl.constexpr, H: tl.constexpr):
+    """The mix kernel's partial sums per row block (P of them), one after another in one
+    buffer: query/norm-weight sums [P, D], the null's mixing term [P, D], dl_0 [P, H], dot [P]."""
+    return PARTS, PARTS + P * D, PARTS + 2 * P * D, PARTS + 2 * P * D + P * H
+
+
+@triton.jit
 def _route_bwd_mix_kernel(
     DOUT,
     SRCS,
     DSRCS,
     Q,
     G,
-    COEF,
-    T_PART,
-    W0DO_PART,
-    DL0_PART,
-    DGATE_PART,
+    WORK,
     M,
     D: tl.constexpr,
     H: tl.constexpr,
@@ -279,9 +293,12 @@ def _route_bwd_mix_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_KC: tl.constexpr,
     EVEN: tl.constexpr,
+    ACCUM: tl.constexpr,
 ):
     """One [BLOCK_M rows, BLOCK_KC columns] tile of one head: every source's gradient from
-    the per-row coefficients, and this row block's partial sums of the weight gradients."""
+    the per-row coefficients, and this row block's partial sums of the weight gradients.
+    Bit i of ACCUM: add source i's gradient to what DSRCS[i] holds instead of overwriting it.
+    WORK holds the stats kernel's coefficients, then the partials (_partials)."""
     rb = tl.program_id(0)
     cb = tl.program_id(1)
     chunks: tl.constexpr = (K + BLOCK_KC - 1) // BLOCK_KC
@@ -293,7 +310,8 @@ def _route_bwd_mix_kernel(
     tile = rows[:, None] * D + col[None, :]
     mask = row_ok[:, None] & (kc < K)[None, :]
     plane = (NUM_SRC + 1) * M * H
-    coef = COEF + rows * H + h
+    coef = WORK + rows * H + h
+    T_PART, W0DO_PART, DL0_PART, DGATE_PART = _partials(WORK + 3 * plane, tl.num_programs(0), D, H)
 
     do = _load_raw(DOUT + tile, mask, EVEN).to(tl.float32)
     s_next = _load_raw(SRCS[0] + tile, mask, EVEN)
@@ -304,11 +322,16 @@ def _route_bwd_mix_kernel(
         s = s_next.to(tl.float32)
         if i + 1 < NUM_SRC:
             s_next = _load_raw(SRCS[i + 1] + tile, mask, EVEN)
+        if (ACCUM >> i) & 1:
+            prev = _load_raw(DSRCS[i] + tile, mask, EVEN)
         n_off = (i + 1) * M * H
         a_n = tl.load(coef + n_off, mask=row_ok, other=0.0)[:, None]
         b_n = tl.load(coef + plane + n_off, mask=row_ok, other=0.0)[:, None]
         c_n = tl.load(coef + 2 * plane + n_off, mask=row_ok, other=0.0)[:, None]
-        _store(DSRCS[i] + tile, a_n * do + b_n * qg - c_n * s, mask, EVEN)
+        ds = a_n * do + b_n * qg - c_n * s
+        if (ACCUM >> i) & 1:
+            ds += prev.to(tl.float32)
+        _store(DSRCS[i] + tile, ds, mask, EVEN)
         t += b_n * s
     part = rb.to(tl.int64) * D + col
     tl.store(T_PART + part, tl.sum(t, axis=0), mask=kc < K)
@@ -317,7 +340,7 @@ def _route_bwd_mix_kernel(
         # this row block's sums over rows of dl_0 (per head) and of dot (over heads)
         hv = tl.arange(0, BLOCK_H)[None, :]
         head_mask = row_ok[:, None] & (hv < H)
-        null_rows = COEF + rows[:, None] * H + hv
+        null_rows = WORK + rows[:, None] * H + hv
         dl0 = tl.sum(tl.load(null_rows + plane, mask=head_mask, other=0.0), axis=0)
         tl.store(DL0_PART + rb * H + tl.arange(0, BLOCK_H), dl0, mask=tl.arange(0, BLOCK_H) < H)
         tl.store(DGATE_PART + rb, tl.sum(tl.load(null_rows + 2 * plane, mask=head_mask, other=0.0)))
@@ -325,10 +348,7 @@ def _route_bwd_mix_kernel(
 
 @triton.jit
 def _route_bwd_finish_kernel(
-    T_PART,
-    W0DO_PART,
-    DL0_PART,
-    DGATE_PART,
+    PARTS,
     NULL,
     Q,
     G,
@@ -349,6 +369,7 @@ def _route_bwd_finish_kernel(
     """Sums the mix kernel's per-row-block partials in a fixed order and finishes the
     weight gradients; the null source's norm term depends on the rows only through
     sum_rows dl_0. Each program owns BLOCK_C columns."""
+    T_PART, W0DO_PART, DL0_PART, DGATE_PART = _partials(PARTS, P, D, H)
     pid = tl.program_id(0)
     hv = tl.arange(0, BLOCK_H)
     pv = tl.arange(0, BLOCK_P)
@@ -400,6 +421,7 @@ FWD = {
 }
 STATS = {"rows": 1, "warps_per_4096": 4}
 MIX = {"block_m": 32, "block_kc": 64, "warps": 4}
+FINISH = {"block_c": 32, "block_p": 256, "warps": 8}  # columns per program, partials per step
 
 
 class _Launcher:
@@ -414,31 +436,43 @@ class _Launcher:
 
     def __init__(self, fn):
         self.fn = fn
-        self.binaries: dict[tuple, object] = {}
+        self.binaries: dict[tuple, tuple[dict, object]] = {}
 
     @staticmethod
-    def _key(arg) -> object:
-        if isinstance(arg, torch.Tensor):
-            return arg.dtype, arg.data_ptr() % 16 == 0
-        if isinstance(arg, tuple):
-            return tuple(_Launcher._key(a) for a in arg)
-        if isinstance(arg, bool) or not isinstance(arg, int):
-            return None
-        return arg == 1, arg % 16 == 0, arg >= 2**31
+    def _key(args: tuple) -> tuple:
+        """What Triton specialises on, flattened: per tensor its dtype and address mod 16
+        (Triton: 16-byte alignment), per integer == 1, its value mod 16 and >= 2**31; a
+        tuple's tensors in place. One flat loop: it runs for every argument of every launch."""
+        key = []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                key += (arg.dtype, arg.data_ptr() & 15)
+            elif isinstance(arg, tuple):
+                key.append(len(arg))
+                for t in arg:
+                    key += (t.dtype, t.data_ptr() & 15)
+            elif isinstance(arg, int) and not isinstance(arg, bool):
+                key += (arg == 1, arg & 15, arg >= 2**31)
+            else:
+                key.append(None)
+        return tuple(key)
 
     def __call__(self, grid: tuple[int, ...], num_warps: int, consts: dict, *args, maxnreg: int | None = None) -> None:
         if _interpreting():
             self.fn[grid](*args, num_warps=num_warps, **consts)
             return
         device = torch.cuda.current_device()
-        key = (device, num_warps, maxnreg, tuple(consts.items()), tuple(self._key(a) for a in args))
-        binary = self.binaries.get(key)
-        if binary is None:
+        # consts come from the cached launch-shape functions: the same dict for the same shape.
+        # The entry keeps its dict alive, so its id is never reused for another.
+        key = (device, num_warps, maxnreg, id(consts), self._key(args))
+        entry = self.binaries.get(key)
+        if entry is None:
             if list(consts) != self.fn.arg_names[len(args) :]:  # the binary takes them positionally
                 raise RuntimeError(f"{self.fn.__name__}: constexprs {list(consts)} out of signature order")
             cap = {} if maxnreg is None else {"maxnreg": maxnreg}
-            self.binaries[key] = self.fn[grid](*args, num_warps=num_warps, **cap, **consts)
+            self.binaries[key] = consts, self.fn[grid](*args, num_warps=num_warps, **cap, **consts)
             return
+        binary = entry[1]
         grid = (*grid, 1, 1)
         stream = torch._C._cuda_getCurrentRawStream(device)
         binary.run(
@@ -486,7 +520,9 @@ def _row_launch(
 
 
 @functools.cache
-def _mix_launch(m: int, d: int, num_heads: int, num_sources: int, block_m: int, block_kc: int, warps: int) -> tuple:
+def _mix_launch(
+    m: int, d: int, num_heads: int, num_sources: int, block_m: int, block_kc: int, warps: int, accum: int = 0
+) -> tuple:
     k = d // num_heads
     block_kc = min(block_kc, _pow2(k))
     row_blocks = _cdiv(m, block_m)
@@ -499,13 +535,13 @@ def _mix_launch(m: int, d: int, num_heads: int, num_sources: int, block_m: int, 
         "BLOCK_M": block_m,
         "BLOCK_KC": block_kc,
         "EVEN": m % block_m == 0 and k % block_kc == 0,
+        "ACCUM": accum,
     }
     return (row_blocks, num_heads * _cdiv(k, block_kc)), warps, consts
 
 
 @functools.cache
-def _finish_launch(d: int, num_heads: int, parts: int) -> tuple:
-    block_c = 32  # many programs: the partials are read once, at bandwidth
+def _finish_launch(d: int, num_heads: int, parts: int, block_c: int, block_p: int, warps: int) -> tuple:
     k = d // num_heads
     consts = {
         "P": parts,
@@ -514,14 +550,17 @@ def _finish_launch(d: int, num_heads: int, parts: int) -> tuple:
         "K": k,
         "BLOCK_H": _pow2(num_heads),
         "BLOCK_K": _pow2(k),
-        "BLOCK_P": 32,
+        "BLOCK_P": min(block_p, _pow2(parts)),
         "BLOCK_C": block_c,
     }
-    return (_cdiv(d, block_c),), 4, consts
+    return (_cdiv(d, block_c),), warps, consts
+
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton when it decorates the kernels, above
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return _INTERPRET
 
 
 def _cpu_rows(m: int) -> int:
@@ -580,7 +619,11 @@ def _backward(
     gate: torch.Tensor,
     num_heads: int,
     eps: float,
+    into: Sequence[torch.Tensor | None] = (),
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the sources and of the site's parameters. `into`, per source: None, or a
+    contiguous gradient buffer of the source's shape and dtype that this call's gradient is
+    added to in place (and returned)."""
     _check_inputs(grad_out, sources)
     d = grad_out.shape[-1]
     m = grad_out.numel() // d
@@ -589,25 +632,26 @@ def _backward(
     srcs = tuple(s.contiguous() for s in sources)
     z, q, g, gate = (t.contiguous() for t in (null, query, norm_weight, gate))
     f32 = {"device": grad_out.device, "dtype": torch.float32}
+    into = tuple(into) or (None,) * n
+    dsrcs = tuple(_empty_like(s) if buf is None else buf for s, buf in zip(srcs, into, strict=True))
+    accum = sum(1 << i for i, buf in enumerate(into) if buf is not None)
 
-    coef = _empty((3, n + 1, m, num_heads), **f32)
     interp = _interpreting()
+    block_m = _cpu_rows(m) if interp else MIX["block_m"]
+    mix_grid, mix_warps, mix_consts = _mix_launch(m, d, num_heads, n, block_m, MIX["block_kc"], MIX["warps"], accum)
+    parts = mix_grid[0]
+    # One allocation: the stats kernel's coefficients [3, N, m, H], then the mix kernel's partials.
+    coef_size = 3 * (n + 1) * m * num_heads
+    work = _empty((coef_size + parts * (2 * d + num_heads + 1),), **f32)
     rows = _cpu_rows(m) if interp else STATS["rows"]
     grid, warps, consts = _row_launch(m, d, num_heads, n, rows, STATS["warps_per_4096"], not interp)
-    _launch_stats(grid, warps, consts, dout, srcs, z, q, g, gate, coef, m, eps)
+    _launch_stats(grid, warps, consts, dout, srcs, z, q, g, gate, work, m, eps)
 
-    dsrcs = tuple(_empty_like(s) for s in srcs)
-    block_m = _cpu_rows(m) if interp else MIX["block_m"]
-    grid, warps, consts = _mix_launch(m, d, num_heads, n, block_m, MIX["block_kc"], MIX["warps"])
-    parts = grid[0]
-    t_part = _empty((2, parts, d), **f32)  # query/norm-weight sums, then the null's mixing term
-    dl0_part = _empty((parts, num_heads), **f32)
-    dgate_part = _empty((parts,), **f32)
-    _launch_mix(grid, warps, consts, dout, srcs, dsrcs, q, g, coef, t_part[0], t_part[1], dl0_part, dgate_part, m)
+    _launch_mix(mix_grid, mix_warps, mix_consts, dout, srcs, dsrcs, q, g, work, m)
 
     dz, dq, dg, dgate = (_empty_like(t) for t in (z, q, g, gate))
-    grid, warps, consts = _finish_launch(d, num_heads, parts)
-    _launch_finish(grid, warps, consts, t_part[0], t_part[1], dl0_part, dgate_part, z, q, g, dz, dq, dg, dgate, eps)
+    grid, warps, consts = _finish_launch(d, num_heads, parts, FINISH["block_c"], FINISH["block_p"], FINISH["warps"])
+    _launch_finish(grid, warps, consts, work[coef_size:], z, q, g, dz, dq, dg, dgate, eps)
     return list(dsrcs), dz, dq, dg, dgate
 
 
@@ -671,6 +715,82 @@ def _op_backward(ctx, grad_out, grad_weights):
 route_fwd.register_autograd(_op_backward, setup_context=_setup_context)
 
 
+def _unpack_inputs(ctx) -> tuple[torch.Tensor, ...]:
+    """The inputs kept by forward, released here: the graph may outlive the backward (the
+    loss of one microbatch is alive during the next), the sources should not."""
+    inputs, ctx.inputs = ctx.inputs, None
+    if inputs is None:
+        raise RuntimeError(
+            "mhar_route: backward through the same triton routing call twice (retain_graph=True) is not "
+            "supported; use backend='torch' for double backward"
+        )
+    for i, (t, version) in enumerate(zip(inputs, ctx.versions, strict=True)):
+        if t._version != version:
+            raise RuntimeError(
+                f"mhar_route: input {i} of the routing call (null, query, norm_weight, gate, then the sources) "
+                f"was modified in place after the call (version {version} -> {t._version}); its gradient "
+                "would be wrong"
+            )
+    return inputs
+
+
+class _GradSlot:
+    """The gradient of one routing source, summed in place by the routing calls that read it."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self) -> None:
+        self.grad: torch.Tensor | None = None
+
+
+class _SharedGrad(torch.autograd.Function):
+    """Identity whose backward hands on the gradient its slot gathered (plus any that reached
+    it the usual way, from consumers other than the eager routing calls)."""
+
+    @staticmethod
+    def forward(ctx, source, slot):
+        ctx.slot = slot
+        ctx.set_materialize_grads(False)
+        return source.view_as(source)
+
+    @staticmethod
+    def backward(ctx, grad):
+        summed, ctx.slot.grad = ctx.slot.grad, None
+        if summed is None:
+            return grad, None
+        if grad is not None:
+            summed.add_(grad)
+        return summed, None
+
+
+_SLOT_ATTR = "_mhar_grad_slot"
+
+
+def share_source_grad(source: torch.Tensor) -> torch.Tensor:
+    """`source`, as a tensor whose gradient the eager triton routing calls that read it add
+    into one buffer in place, inside their backward kernel, instead of each returning a new
+    tensor for autograd to add (one read and write less per call, and no separate add kernel).
+    Apply it once where a source is made; every other consumer sees an ordinary tensor."""
+    if not (source.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return source
+    slot = _GradSlot()
+    shared = _SharedGrad.apply(source, slot)
+    setattr(shared, _SLOT_ATTR, slot)
+    return shared
+
+
+def _grad_slots(sources: Sequence[torch.Tensor]) -> tuple[_GradSlot | None, ...]:
+    slots, seen = [], set()
+    for s in sources:
+        slot = getattr(s, _SLOT_ATTR, None)
+        if slot is not None and id(slot) in seen:
+            slot = None  # the same source twice in one call: one kernel cannot add twice in place
+        if slot is not None:
+            seen.add(id(slot))
+        slots.append(slot)
+    return tuple(slots)
+
+
 class _Route(torch.autograd.Function):
     """The same kernels for eager mode, without the custom-op dispatch, whose Python
     cost per call (about half a millisecond, measured) exceeds the kernels' own."""
@@ -679,14 +799,30 @@ class _Route(torch.autograd.Function):
     def forward(ctx, x, null, query, norm_weight, gate, num_heads, eps, *sources):
         out, weights = _forward(x, sources, null, query, norm_weight, gate, num_heads, eps)
         ctx.num_heads, ctx.eps = num_heads, eps
-        ctx.save_for_backward(null, query, norm_weight, gate, *sources)
+        # The backward needs the inputs only. Kept on ctx rather than saved with
+        # save_for_backward, so an activation checkpoint around the call has no saved
+        # tensor to unpack and never re-runs the forward; the version check that
+        # save_for_backward would do is done in backward.
+        ctx.inputs = (null, query, norm_weight, gate, *sources)
+        ctx.versions = [t._version for t in ctx.inputs]
+        ctx.slots = _grad_slots(sources)
         ctx.mark_non_differentiable(weights)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for the weights
         return out, weights
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights):
-        null, query, norm_weight, gate, *sources = ctx.saved_tensors
-        dsrcs, dz, dq, dg, dgate = _backward(grad_out, sources, null, query, norm_weight, gate, ctx.num_heads, ctx.eps)
+        null, query, norm_weight, gate, *sources = _unpack_inputs(ctx)
+        if grad_out is None:  # the output did not reach the loss
+            return (None,) * (7 + len(sources))
+        into = [None if slot is None else slot.grad for slot in ctx.slots]
+        dsrcs, dz, dq, dg, dgate = _backward(
+            grad_out, sources, null, query, norm_weight, gate, ctx.num_heads, ctx.eps, into
+        )
+        for slot, ds in zip(ctx.slots, dsrcs, strict=True):
+            if slot is not None:
+                slot.grad = ds
+        dsrcs = [None if slot is not None else ds for slot, ds in zip(ctx.slots, dsrcs, strict=True)]
         return grad_out, dz, dq, dg, dgate, None, None, *dsrcs
 
 

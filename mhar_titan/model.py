@@ -21,7 +21,7 @@ from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer, TransformerBlock
 from torchtitan.protocols.model import AttentionMasksType
 
-from kernels.routing import mhar_route_with_weights
+from kernels.routing import mhar_route_with_weights, routing_source
 from mhar_titan.config import MHAR
 
 # `[model] flavor = "hf"`: the architecture of the config.json in `model.hf_assets_path`.
@@ -184,7 +184,8 @@ class MHARTransformer(Transformer):
             return super().forward(tokens, attention_masks, positions)
 
         h = self.tok_embeddings(tokens)
-        sources = [h]
+        backend = self.model_args.mhar.backend
+        sources = [routing_source(h, backend)]
         per_block = self.model_args.layers_per_block
         deltas: list[torch.Tensor] = []
         stats = []
@@ -197,7 +198,7 @@ class MHARTransformer(Transformer):
             if len(deltas) == per_block:
                 # A new list: activation checkpointing re-runs earlier layers with the list
                 # they were given, so it must never grow in place.
-                sources = [*sources, self.block_delta(deltas)]
+                sources = [*sources, routing_source(self.block_delta(deltas), backend)]
                 deltas = []
         self.routing_stats = torch.stack(stats).detach()
         h = self.norm(h)

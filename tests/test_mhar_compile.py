@@ -38,11 +38,14 @@ def test_per_block_compile_makes_a_bounded_number_of_graphs_and_matches_eager(ba
         for _ in range(2):  # the second pass must reuse the graphs
             out = compiled(tokens)
             out.float().pow(2).mean().backward()
-        # one graph per source count, plus layer 0 whose input aliases sources[0]; no graph breaks
-        assert counters["stats"]["unique_graphs"] == num_blocks + 1
+        # One graph per source count, no graph breaks, plus one for layer 0 where its input is
+        # sources[0] itself (Dynamo guards on the duplicate input). With triton and grad,
+        # sources[0] is routing_source's alias of the embedding (kernels/routing.py) instead.
+        graphs = num_blocks + (backend == "torch")
+        assert counters["stats"]["unique_graphs"] == graphs
         with torch.no_grad():  # validation: the same graphs again without grad, none left to eager
             evaluated = compiled(tokens)
-        assert counters["stats"]["unique_graphs"] == 2 * (num_blocks + 1)
+        assert counters["stats"]["unique_graphs"] == graphs + num_blocks + 1
     assert not counters["graph_break"]
     torch.testing.assert_close(evaluated, out, rtol=0, atol=0)
 

@@ -4,10 +4,11 @@ import copy
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 from torchtitan.config import Optimizer as OptimizerConfig
 
 import kernels.routing_triton as rt
-from kernels.routing import mhar_route_with_weights
+from kernels.routing import mhar_route_with_weights, routing_source
 from mhar_titan.config import MHAR
 from mhar_titan.model import MHARTransformer
 from mhar_titan.optimizer import build_optimizers
@@ -143,6 +144,120 @@ def test_unsupported_inputs_are_refused_by_name():
     leaves = site(8, 16, 9, 2, torch.float32)
     with pytest.raises(ValueError, match="1..8 sources, got 9"):
         run("triton", leaves, 9, 8, torch.randn_like(leaves[0]))
+
+
+def test_checkpointed_call_runs_its_forward_once_with_the_same_gradients(monkeypatch):
+    """The backward needs only the inputs, so an activation checkpoint around one call has
+    nothing to recompute: one forward launch, and exactly the gradients of the plain call."""
+    S, H = 3, 8
+    leaves = site(H, 40, S, 5, torch.float32)
+    grad_out = torch.randn_like(leaves[0])
+    launches = []
+    forward = rt._launch_fwd
+    monkeypatch.setattr(rt, "_launch_fwd", lambda *a, **k: (launches.append(1), forward(*a, **k)))
+
+    def call(x, *rest):
+        return mhar_route_with_weights(x, rest[:S], *rest[S:], num_heads=H, eps=1e-5, backend="triton")[0]
+
+    plain = torch.autograd.grad(call(*leaves), leaves, grad_out)
+    launches.clear()
+    out = checkpoint(call, *leaves, use_reentrant=False)
+    checkpointed = torch.autograd.grad(out, leaves, grad_out)
+    assert len(launches) == 1
+    for name, a, b in zip(["x", *names(S)[3:]], plain, checkpointed, strict=True):
+        assert torch.equal(a, b), name
+
+
+def chain(leaves, S, H, calls, backend, share, extra_consumer=False):
+    """`calls` routing calls of one width over the same S sources, as the model's layers make
+    them (each call's input is the previous output), some of them checkpointed; returns the
+    loss's gradients for every leaf."""
+    x, sources, params = leaves[0], leaves[1 : 1 + S], leaves[1 + S :]
+    srcs = [routing_source(s, backend) if share else s for s in sources]
+    h = x
+    for i in range(calls):
+        n = 1 + (i * (S - 1)) // max(1, calls - 1)  # 1..S sources, as blocks complete
+
+        def call(h, *srcs_n, n=n):
+            return mhar_route_with_weights(h, srcs_n, *params, num_heads=H, eps=1e-5, backend=backend)[0]
+
+        h = checkpoint(call, h, *srcs[:n], use_reentrant=False) if i % 2 else call(h, *srcs[:n])
+    loss = (h.float() * torch.linspace(-1, 1, h.shape[-1], device=h.device)).sum()
+    if extra_consumer:  # a reader of the source other than the routing calls
+        loss = loss + (srcs[0].float() ** 2).sum()
+    return torch.autograd.grad(loss, leaves)
+
+
+def test_shared_source_gradients_are_summed_in_place_exactly_in_fp32():
+    S, H, calls = 4, 8, 6
+    leaves = site(H, 40, S, 3, torch.float32)
+    separate = chain(leaves, S, H, calls, "triton", share=False)
+    shared = chain(leaves, S, H, calls, "triton", share=True)
+    for name, a, b in zip(["x", *names(S)[3:]], separate, shared, strict=True):
+        assert torch.equal(a, b), name  # the same fp32 additions in the same order
+    # With another consumer, the anchor adds the two partial sums in another order: a few
+    # fp32 roundings of the terms (normalised by the largest element, as elsewhere here).
+    separate = chain(leaves, S, H, calls, "triton", share=False, extra_consumer=True)
+    shared = chain(leaves, S, H, calls, "triton", share=True, extra_consumer=True)
+    for name, a, b in zip(["x", *names(S)[3:]], separate, shared, strict=True):
+        err = ((b - a).abs().max() / a.abs().max()).item()
+        assert err <= 4 * torch.finfo(torch.float32).eps, f"{name}: {err:.2e}"
+
+
+def test_shared_source_gradients_in_bf16_differ_by_rounding_only():
+    """In place, each call's fp32 gradient is added to the bf16 sum and rounded once; autograd
+    rounds it to bf16 first and then adds. The two sums differ by at most one rounding per
+    call, 2**-8 relative each; as a relative L2 distance over many elements, by at most
+    sqrt(calls) * 2**-8. A lost or doubled call would be off by about 1 / calls."""
+    S, H, calls = 4, 8, 8
+    leaves = site(H, 64, S, 8, torch.bfloat16)
+    separate = chain(leaves, S, H, calls, "triton", share=False)
+    shared = chain(leaves, S, H, calls, "triton", share=True)
+    for i in range(1, 1 + S):
+        a, b = separate[i].double(), shared[i].double()
+        dist = ((b - a).norm() / a.norm()).item()
+        assert dist <= calls**0.5 * 2.0**-8, f"source{i - 1}: {dist:.3e}"
+
+
+def test_same_shared_source_twice_in_one_call():
+    H = 8
+    leaves = site(H, 40, 1, 3, torch.float32)
+    x, s, *params = leaves
+    grad_out = torch.randn_like(x)
+
+    def grads(srcs):
+        out = mhar_route_with_weights(x, srcs, *params, num_heads=H, eps=1e-5, backend="triton")[0]
+        return torch.autograd.grad(out, [s], grad_out)[0]
+
+    a, b = grads([s, s]), grads([routing_source(s, "triton")] * 2)
+    assert ((b - a).abs().max() / a.abs().max()).item() <= 4 * torch.finfo(torch.float32).eps
+
+
+def test_inputs_changed_in_place_or_a_second_backward_are_refused():
+    H = 8
+    leaves = site(H, 40, 2, 3, torch.float32)
+    x, s0, s1, *params = leaves
+
+    def out():
+        return mhar_route_with_weights(x, [s0, s1], *params, num_heads=H, eps=1e-5, backend="triton")[0].sum()
+
+    loss = out()
+    with torch.no_grad():
+        s1.mul_(2)
+    with pytest.raises(RuntimeError, match=r"input 5 .* modified in place"):
+        loss.backward()
+    loss = out()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        loss.backward()
+
+
+def test_routing_source_is_the_tensor_itself_where_nothing_is_shared():
+    t = torch.randn(2, 3, 8, requires_grad=True)
+    assert routing_source(t, "torch") is t
+    with torch.no_grad():
+        assert routing_source(t, "triton") is t
+    assert routing_source(t, "triton") is not t
 
 
 def test_tiny_model_trains_alike_on_both_backends():
