@@ -86,9 +86,9 @@ def _site(fn: Callable, params: list[torch.Tensor], x: torch.Tensor, sources: li
 class Microbatch:
     """The 64 routing calls of one 8B microbatch, with random sources and site parameters."""
 
-    def __init__(self, B: int, T: int, d: int, num_layers: int, num_blocks: int):
+    def __init__(self, B: int, T: int, d: int, num_layers: int, num_blocks: int, device: str = "cuda", dtype=DTYPE):
         per_block = num_layers // num_blocks
-        dev = {"device": "cuda", "dtype": DTYPE}
+        dev = {"device": device, "dtype": dtype}
         self.sources = [torch.randn(B, T, d, **dev).requires_grad_() for _ in range(num_blocks)]
         self.calls = []  # (x, n_sources, params)
         for layer in range(num_layers):
@@ -110,15 +110,19 @@ class Microbatch:
             for x, n, params in self.calls:
                 fn(x, *params, *self.sources[:n])
 
-    def forward_backward(self, fn: Callable, backend: str) -> None:
+    def leaves(self) -> list[torch.Tensor]:
+        return [*self.sources] + [p for x, _, ps in self.calls for p in (x, *ps)]
+
+    def forward_backward(self, fn: Callable, backend: str, keep_grads: bool = False) -> None:
         srcs = [routing_source(s, backend) for s in self.sources]
         outs = [
             checkpoint(functools.partial(_site, fn, params), x, srcs[:n], use_reentrant=False)
             for x, n, params in self.calls
         ]
         torch.autograd.backward(outs, [self.grad_out] * len(outs))
-        for t in [*self.sources] + [p for x, _, ps in self.calls for p in (x, *ps)]:
-            t.grad = None
+        if not keep_grads:
+            for t in self.leaves():
+                t.grad = None
 
 
 def bench_microbatch(args, bw: float) -> list[dict]:
