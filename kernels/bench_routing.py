@@ -86,7 +86,9 @@ def _site(fn: Callable, params: list[torch.Tensor], x: torch.Tensor, sources: li
 class Microbatch:
     """The 64 routing calls of one 8B microbatch, with random sources and site parameters."""
 
-    def __init__(self, B: int, T: int, d: int, num_layers: int, num_blocks: int, device: str = "cuda", dtype=DTYPE):
+    def __init__(
+        self, B: int, T: int, d: int, num_layers: int, num_blocks: int, device: str = "cuda", dtype: torch.dtype = DTYPE
+    ):
         per_block = num_layers // num_blocks
         dev = {"device": device, "dtype": dtype}
         self.sources = [torch.randn(B, T, d, **dev).requires_grad_() for _ in range(num_blocks)]

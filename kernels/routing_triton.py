@@ -819,11 +819,14 @@ class _Route(torch.autograd.Function):
         dsrcs, dz, dq, dg, dgate = _backward(
             grad_out, sources, null, query, norm_weight, gate, ctx.num_heads, ctx.eps, into
         )
+        returned = []  # a shared source's gradient stays in its slot, the others go to autograd
         for slot, ds in zip(ctx.slots, dsrcs, strict=True):
-            if slot is not None:
+            if slot is None:
+                returned.append(ds)
+            else:
                 slot.grad = ds
-        dsrcs = [None if slot is not None else ds for slot, ds in zip(ctx.slots, dsrcs, strict=True)]
-        return grad_out, dz, dq, dg, dgate, None, None, *dsrcs
+                returned.append(None)
+        return grad_out, dz, dq, dg, dgate, None, None, *returned
 
 
 def route_triton(
