@@ -65,6 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     n, d, h, m = args.sources, args.dim, args.heads, 8192
     p, f32 = f"*{args.dtype}", "*fp32"
+    itemsize = 2 if args.dtype == "bf16" else 4
     types = {
         "X": p, "SRCS": (p,) * n, "DSRCS": (p,) * n, "NULL": p, "Q": p, "G": p, "GATE": p, "OUT": p,
         "DOUT": p, "W": f32, "COEF": f32, "WORK": f32, "M": "i32", "eps": "fp32",
@@ -75,7 +76,7 @@ def main() -> None:
     fwd = rt.FWD[n]
     for name, fn, launch in [("fwd", rt._route_fwd_kernel, fwd), ("stats", rt._route_bwd_stats_kernel, rt.STATS)]:
         for warps_per_4096 in sorted({4, 8, 16, launch["warps_per_4096"]}):
-            _, warps, consts = rt._row_launch(m, d, h, n, launch["rows"], warps_per_4096)
+            _, warps, consts = rt._row_launch(m, d, h, n, itemsize, launch["rows"], warps_per_4096)
             # the forward's register cap applies to its own launch shape only
             cap = launch.get("maxnreg") if warps_per_4096 == launch["warps_per_4096"] else None
             use = ptxas_usage(compile_sm90(fn, types, consts, warps, cap).asm["ptx"])

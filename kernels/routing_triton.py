@@ -23,11 +23,15 @@ Registered as `torch.ops.mhar.route_fwd` / `route_bwd` custom ops with autograd,
 so torch.compile keeps them in its graph instead of breaking at every call; eager
 calls go through a plain autograd.Function over the same launchers.
 
-Registers bound these kernels (each row's tiles live in them): the forward keeps
-no parameter tile resident (query, norm weight and null are re-read from L1),
-and the backward's weight-gradient accumulators live in the mix kernel, which
-has no row-wide state. `python -m kernels.compile_report` prints registers and
-spills per kernel for sm_90 without a GPU.
+The row kernels (forward, stats) hold a row as a [heads, chunks, chunk] tile, so that
+Triton gives each warp whole heads: the per-head sums are warp shuffles, and the only
+cross-warp sum per source is the forward's full-width norm (at 8 sources the PTX has 19
+barriers in the forward and 13 in stats, against 66 and 98 with [heads, columns] tiles,
+which spread a 512-wide head over two warps). Registers bound them too (each row's
+tiles live in them): the forward keeps no parameter tile resident (query, norm weight
+and null are re-read from L1), and the backward's weight-gradient accumulators live in
+the mix kernel, which has no row-wide state. `python -m kernels.compile_report` prints
+registers and spills per kernel for sm_90 without a GPU.
 """
 
 from __future__ import annotations
@@ -44,9 +48,15 @@ from kernels.routing import MAX_TRITON_SOURCES as MAX_SOURCES
 
 
 @triton.jit
-def _row_tile_offsets(BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, H: tl.constexpr, K: tl.constexpr):
-    hh = tl.arange(0, BLOCK_H)[:, None]
-    kk = tl.arange(0, BLOCK_K)[None, :]
+def _row_tile_offsets(
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr, H: tl.constexpr, K: tl.constexpr
+):
+    """One row as a [heads, chunks, chunk] tile: head h's columns in BLOCK_S chunks of BLOCK_I,
+    a chunk being what one warp loads in one go. Triton then lays the heads across warps and
+    a head's chunks within one warp, so every per-head sum is a warp shuffle, with no barrier
+    (a [heads, columns] tile spreads a 512-wide head over two warps)."""
+    hh = tl.arange(0, BLOCK_H)[:, None, None]
+    kk = tl.arange(0, BLOCK_S)[None, :, None] * BLOCK_I + tl.arange(0, BLOCK_I)[None, None, :]
     return hh * K + kk, (hh < H) & (kk < K)
 
 
@@ -89,19 +99,24 @@ def _add3(a0, b0, c0, a1, b1, c1):
 
 
 @triton.jit
-def _row_sums2(a, b, JOINT: tl.constexpr):
-    """Per-head sums of two tiles: one joint reduction on a GPU (one barrier for both); two
-    plain sums in Triton's interpreter, which runs a custom combine function element by element."""
-    if JOINT:
-        return tl.reduce((a, b), 1, _add2)
-    return tl.sum(a, axis=1), tl.sum(b, axis=1)
+def _head_sum(a):
+    return tl.sum(tl.sum(a, axis=2), axis=1)
 
 
 @triton.jit
-def _row_sums3(a, b, c, JOINT: tl.constexpr):
+def _head_sums2(a, b, JOINT: tl.constexpr):
+    """Per-head sums of two row tiles: one joint reduction on a GPU; two plain sums in
+    Triton's interpreter, which runs a custom combine function element by element."""
     if JOINT:
-        return tl.reduce((a, b, c), 1, _add3)
-    return tl.sum(a, axis=1), tl.sum(b, axis=1), tl.sum(c, axis=1)
+        return tl.reduce(tl.reduce((a, b), 2, _add2), 1, _add2)
+    return _head_sum(a), _head_sum(b)
+
+
+@triton.jit
+def _head_sums3(a, b, c, JOINT: tl.constexpr):
+    if JOINT:
+        return tl.reduce(tl.reduce((a, b, c), 2, _add3), 1, _add3)
+    return _head_sum(a), _head_sum(b), _head_sum(c)
 
 
 @triton.jit
@@ -113,7 +128,7 @@ def _param(PTR, cols, mask):
 def _null_logit(NULL, Q, G, cols, mask, D: tl.constexpr, eps, JOINT: tl.constexpr):
     """The null source's logit per head, the same for every row."""
     z = _param(NULL, cols, mask)
-    zz, zq = _row_sums2(z * z, z * _param(Q, cols, mask) * _param(G, cols, mask), JOINT)
+    zz, zq = _head_sums2(z * z, z * _param(Q, cols, mask) * _param(G, cols, mask), JOINT)
     return zq * tl.rsqrt(tl.sum(zz) / D + eps)
 
 
@@ -134,15 +149,17 @@ def _route_fwd_kernel(
     K: tl.constexpr,
     NUM_SRC: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_I: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     EVEN: tl.constexpr,
     JOINT: tl.constexpr,
 ):
-    cols, mask = _row_tile_offsets(BLOCK_H, BLOCK_K, H, K)
-    nn = tl.arange(0, BLOCK_N)[:, None]
-    hw = tl.arange(0, BLOCK_H)[None, :]
+    cols, mask = _row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
+    # per-source statistics as [heads, sources] tiles, laid out as the heads' sums come
+    nn = tl.arange(0, BLOCK_N)[None, :]
+    hw = tl.arange(0, BLOCK_H)[:, None]
     w_mask = (nn < NUM_SRC + 1) & (hw < H)
     z_logit = _null_logit(NULL, Q, G, cols, mask, D, eps, JOINT)
     gate = tl.load(GATE).to(tl.float32)
@@ -157,8 +174,8 @@ def _route_fwd_kernel(
         # end, so its tile is not held in registers across the loop.
         m = z_logit
         den = tl.full([BLOCK_H], 1.0, tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
-        logits = tl.where(nn == 0, z_logit[None, :], 0.0)
+        acc = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
+        logits = tl.where(nn == 0, z_logit[:, None], 0.0)
         # Loads run two sources ahead (then x), so they overlap the reductions of the
         # previous two: s_a is the tile in use next, s_b the one after it.
         s_a = _load_raw(SRCS[0] + base + cols, row_mask, EVEN)
@@ -174,19 +191,19 @@ def _route_fwd_kernel(
             elif i + 2 == NUM_SRC:
                 s_b = _load_raw(X + base + cols, row_mask, EVEN)
             qg = _param(Q, cols, mask) * _param(G, cols, mask)
-            ss, sq = _row_sums2(s * s, s * qg, JOINT)
+            ss, sq = _head_sums2(s * s, s * qg, JOINT)
             lg = sq * tl.rsqrt(tl.sum(ss) / D + eps)
             m_new = tl.maximum(m, lg)
             alpha = tl.exp(m - m_new)
             p = tl.exp(lg - m_new)
             den = den * alpha + p
-            acc = acc * alpha[:, None] + s * p[:, None]
+            acc = acc * alpha[:, None, None] + s * p[:, None, None]
             m = m_new
-            logits = tl.where(nn == i + 1, lg[None, :], logits)
-        acc += tl.exp(z_logit - m)[:, None] * _param(NULL, cols, mask)
-        out = s_a.to(tl.float32) + gate * (acc / den[:, None])  # s_a holds x by now
+            logits = tl.where(nn == i + 1, lg[:, None], logits)
+        acc += tl.exp(z_logit - m)[:, None, None] * _param(NULL, cols, mask)
+        out = s_a.to(tl.float32) + gate * (acc / den[:, None, None])  # s_a holds x by now
         _store(OUT + base + cols, out, row_mask, EVEN)
-        w = tl.exp(logits - m[None, :]) / den[None, :]
+        w = tl.exp(logits - m[:, None]) / den[:, None]
         tl.store(W + nn * (M * H) + row * H + hw, w, mask=w_mask & (row < M))
 
 
@@ -206,7 +223,8 @@ def _route_bwd_stats_kernel(
     K: tl.constexpr,
     NUM_SRC: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_I: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     EVEN: tl.constexpr,
@@ -219,9 +237,10 @@ def _route_bwd_stats_kernel(
     # and the weight gradients are sums over rows of B_n s_n (query, norm weight), A_0 dout (null),
     # dl_0 (the null's norm term) and dot (gate). COEF[k, n, row, h] holds A, B, C for sources
     # n >= 1; for the null (n = 0): A_0, dl_0 and dot.
-    cols, mask = _row_tile_offsets(BLOCK_H, BLOCK_K, H, K)
-    nn = tl.arange(0, BLOCK_N)[:, None]
-    hw = tl.arange(0, BLOCK_H)[None, :]
+    cols, mask = _row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
+    # per-source statistics as [heads, sources] tiles, laid out as the heads' sums come
+    nn = tl.arange(0, BLOCK_N)[None, :]
+    hw = tl.arange(0, BLOCK_H)[:, None]
     c_mask = (nn < NUM_SRC + 1) & (hw < H)
     z_logit = _null_logit(NULL, Q, G, cols, mask, D, eps, JOINT)
     gate = tl.load(GATE).to(tl.float32)
@@ -237,9 +256,9 @@ def _route_bwd_stats_kernel(
         s_a = _load_raw(SRCS[0] + base + cols, row_mask, EVEN)
         if NUM_SRC > 1:
             s_b = _load_raw(SRCS[1] + base + cols, row_mask, EVEN)
-        c = tl.where(nn == 0, tl.sum(do * _param(NULL, cols, mask), axis=1)[None, :], 0.0)
-        a = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
-        ssh = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+        c = tl.where(nn == 0, _head_sum(do * _param(NULL, cols, mask))[:, None], 0.0)
+        a = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        ssh = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
         for i in tl.static_range(NUM_SRC):
             s = s_a.to(tl.float32)
             if i + 1 < NUM_SRC:
@@ -247,26 +266,26 @@ def _route_bwd_stats_kernel(
             if i + 2 < NUM_SRC:
                 s_b = _load_raw(SRCS[i + 2] + base + cols, row_mask, EVEN)
             qg = _param(Q, cols, mask) * _param(G, cols, mask)
-            ss, sd, sq = _row_sums3(s * s, s * do, s * qg, JOINT)
+            ss, sd, sq = _head_sums3(s * s, s * do, s * qg, JOINT)
             sel = nn == i + 1
-            c = tl.where(sel, sd[None, :], c)
-            a = tl.where(sel, sq[None, :], a)
-            ssh = tl.where(sel, ss[None, :], ssh)
+            c = tl.where(sel, sd[:, None], c)
+            a = tl.where(sel, sq[:, None], a)
+            ssh = tl.where(sel, ss[:, None], ssh)
         # Unlike the forward's online softmax, nothing here needs a source's norm before the
         # next source: all of them are summed over heads at once (one cross-warp sum, not N).
         # Row 0 (the null, normed by its own logit) and padding rows are not used.
-        rstds = tl.rsqrt(tl.sum(ssh, axis=1)[:, None] / D + eps)
-        lg = tl.where(nn == 0, z_logit[None, :], tl.where(nn <= NUM_SRC, a * rstds, float("-inf")))
-        e = tl.exp(lg - tl.max(lg, axis=0)[None, :])
-        w = e / tl.sum(e, axis=0)[None, :]
-        dot = tl.sum(w * c, axis=0)
-        dl = gate * w * (c - dot[None, :])
-        coupling = tl.sum(dl * a, axis=1)[:, None] * rstds * rstds * rstds / D
+        rstds = tl.rsqrt(tl.sum(ssh, axis=0)[None, :] / D + eps)
+        lg = tl.where(nn == 0, z_logit[:, None], tl.where(nn <= NUM_SRC, a * rstds, float("-inf")))
+        e = tl.exp(lg - tl.max(lg, axis=1)[:, None])
+        w = e / tl.sum(e, axis=1)[:, None]
+        dot = tl.sum(w * c, axis=1)
+        dl = gate * w * (c - dot[:, None])
+        coupling = tl.sum(dl * a, axis=0)[None, :] * rstds * rstds * rstds / D
         offs = nn * (M * H) + row * H + hw
         valid = c_mask & (row < M)
         tl.store(COEF + offs, gate * w, mask=valid)
         tl.store(COEF + plane + offs, tl.where(nn == 0, dl, dl * rstds), mask=valid)
-        tl.store(COEF + 2 * plane + offs, tl.where(nn == 0, dot[None, :], coupling), mask=valid)
+        tl.store(COEF + 2 * plane + offs, tl.where(nn == 0, dot[:, None], coupling), mask=valid)
 
 
 @triton.jit
@@ -318,12 +337,17 @@ def _route_bwd_mix_kernel(
     qg = (_param(Q, col, kc < K) * _param(G, col, kc < K))[None, :]
     a0 = tl.load(coef, mask=row_ok, other=0.0)
     t = tl.zeros([BLOCK_M, BLOCK_KC], tl.float32)
+    if ACCUM & 1:
+        prev_next = _load_raw(DSRCS[0] + tile, mask, EVEN)
     for i in tl.static_range(NUM_SRC):
         s = s_next.to(tl.float32)
+        if (ACCUM >> i) & 1:
+            prev = prev_next
+        # the next source and its running sum are loaded while this one is mixed
         if i + 1 < NUM_SRC:
             s_next = _load_raw(SRCS[i + 1] + tile, mask, EVEN)
-        if (ACCUM >> i) & 1:
-            prev = _load_raw(DSRCS[i] + tile, mask, EVEN)
+            if (ACCUM >> (i + 1)) & 1:
+                prev_next = _load_raw(DSRCS[i + 1] + tile, mask, EVEN)
         n_off = (i + 1) * M * H
         a_n = tl.load(coef + n_off, mask=row_ok, other=0.0)[:, None]
         b_n = tl.load(coef + plane + n_off, mask=row_ok, other=0.0)[:, None]
@@ -362,7 +386,8 @@ def _route_bwd_finish_kernel(
     H: tl.constexpr,
     K: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_I: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -381,10 +406,10 @@ def _route_bwd_finish_kernel(
         dl0 += tl.sum(part, axis=0)
         dgate += tl.load(DGATE_PART + pp, mask=pp < P, other=0.0)
 
-    cols, mask = _row_tile_offsets(BLOCK_H, BLOCK_K, H, K)
+    cols, mask = _row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
     z2 = _param(NULL, cols, mask)
     z_rstd = tl.rsqrt(tl.sum(z2 * z2) / D + eps)
-    a0 = tl.sum(_param(Q, cols, mask) * _param(G, cols, mask) * z2, axis=1)
+    a0 = _head_sum(_param(Q, cols, mask) * _param(G, cols, mask) * z2)
     coupling = tl.sum(dl0 * a0) * z_rstd * z_rstd * z_rstd / D
 
     cc = pid * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -413,11 +438,14 @@ def _route_bwd_finish_kernel(
 # caller sources, since registers grow with it. Mix kernel: tile rows, tile columns (within
 # one head) and warps.
 FWD = {
-    1: {"rows": 2, "warps_per_4096": 8, "maxnreg": None},
-    2: {"rows": 2, "warps_per_4096": 8, "maxnreg": 80},
-    3: {"rows": 2, "warps_per_4096": 8, "maxnreg": None},
-    4: {"rows": 2, "warps_per_4096": 8, "maxnreg": None},
-    **{n: {"rows": 2, "warps_per_4096": 4, "maxnreg": None} for n in range(5, MAX_SOURCES + 1)},
+    1: {"rows": 1, "warps_per_4096": 8, "maxnreg": None},
+    2: {"rows": 1, "warps_per_4096": 8, "maxnreg": None},
+    3: {"rows": 2, "warps_per_4096": 8, "maxnreg": 80},
+    4: {"rows": 4, "warps_per_4096": 8, "maxnreg": None},
+    5: {"rows": 2, "warps_per_4096": 8, "maxnreg": 80},
+    6: {"rows": 2, "warps_per_4096": 8, "maxnreg": 80},
+    7: {"rows": 1, "warps_per_4096": 8, "maxnreg": None},
+    8: {"rows": 2, "warps_per_4096": 8, "maxnreg": None},
 }
 STATS = {"rows": 1, "warps_per_4096": 4}
 MIX = {"block_m": 32, "block_kc": 64, "warps": 4}
@@ -495,12 +523,20 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _head_chunks(k: int, itemsize: int) -> dict[str, int]:
+    """A head's columns as BLOCK_S chunks of BLOCK_I: a chunk is 32 threads x 16 bytes, the
+    most one warp loads in one instruction (_row_tile_offsets)."""
+    block_k = _pow2(k)
+    chunk = min(block_k, 32 * 16 // itemsize)
+    return {"BLOCK_S": block_k // chunk, "BLOCK_I": chunk}
+
+
 @functools.cache
 def _row_launch(
-    m: int, d: int, num_heads: int, num_sources: int, rows: int, warps_per_4096: int, joint: bool = True
+    m: int, d: int, num_heads: int, num_sources: int, itemsize: int, rows: int, warps_per_4096: int, joint: bool = True
 ) -> tuple:
-    """(grid, num_warps, constexprs) of a row kernel; cached per shape, since computing it
-    costs more Python time per call than launching the kernel."""
+    """(grid, num_warps, constexprs) of a row kernel over itemsize-byte elements; cached per
+    shape, since computing it costs more Python time per call than launching the kernel."""
     k = d // num_heads
     exact = m % rows == 0 and _pow2(num_heads) == num_heads and _pow2(k) == k
     consts = {
@@ -509,7 +545,7 @@ def _row_launch(
         "K": k,
         "NUM_SRC": num_sources,
         "BLOCK_H": _pow2(num_heads),
-        "BLOCK_K": _pow2(k),
+        **_head_chunks(k, itemsize),
         "BLOCK_N": _pow2(num_sources + 1),
         "ROWS": rows,
         "EVEN": exact,
@@ -541,7 +577,7 @@ def _mix_launch(
 
 
 @functools.cache
-def _finish_launch(d: int, num_heads: int, parts: int, block_c: int, block_p: int, warps: int) -> tuple:
+def _finish_launch(d: int, num_heads: int, itemsize: int, parts: int, block_c: int, block_p: int, warps: int) -> tuple:
     k = d // num_heads
     consts = {
         "P": parts,
@@ -549,7 +585,7 @@ def _finish_launch(d: int, num_heads: int, parts: int, block_c: int, block_p: in
         "H": num_heads,
         "K": k,
         "BLOCK_H": _pow2(num_heads),
-        "BLOCK_K": _pow2(k),
+        **_head_chunks(k, itemsize),
         "BLOCK_P": min(block_p, _pow2(parts)),
         "BLOCK_C": block_c,
     }
@@ -604,7 +640,8 @@ def _forward(
     interp = _interpreting()
     launch = FWD[len(srcs)]
     rows = _cpu_rows(m) if interp else launch["rows"]
-    grid, warps, consts = _row_launch(m, d, num_heads, len(srcs), rows, launch["warps_per_4096"], not interp)
+    itemsize = xs.element_size()
+    grid, warps, consts = _row_launch(m, d, num_heads, len(srcs), itemsize, rows, launch["warps_per_4096"], not interp)
     params = (null.contiguous(), query.contiguous(), norm_weight.contiguous(), gate.contiguous())
     _launch_fwd(grid, warps, consts, xs, srcs, *params, out, weights, m, eps, maxnreg=launch["maxnreg"])
     return out, weights
@@ -644,13 +681,17 @@ def _backward(
     coef_size = 3 * (n + 1) * m * num_heads
     work = _empty((coef_size + parts * (2 * d + num_heads + 1),), **f32)
     rows = _cpu_rows(m) if interp else STATS["rows"]
-    grid, warps, consts = _row_launch(m, d, num_heads, n, rows, STATS["warps_per_4096"], not interp)
+    grid, warps, consts = _row_launch(
+        m, d, num_heads, n, dout.element_size(), rows, STATS["warps_per_4096"], not interp
+    )
     _launch_stats(grid, warps, consts, dout, srcs, z, q, g, gate, work, m, eps)
 
     _launch_mix(mix_grid, mix_warps, mix_consts, dout, srcs, dsrcs, q, g, work, m)
 
     dz, dq, dg, dgate = (_empty_like(t) for t in (z, q, g, gate))
-    grid, warps, consts = _finish_launch(d, num_heads, parts, FINISH["block_c"], FINISH["block_p"], FINISH["warps"])
+    grid, warps, consts = _finish_launch(
+        d, num_heads, z.element_size(), parts, FINISH["block_c"], FINISH["block_p"], FINISH["warps"]
+    )
     _launch_finish(grid, warps, consts, work[coef_size:], z, q, g, dz, dq, dg, dgate, eps)
     return list(dsrcs), dz, dq, dg, dgate
 

@@ -16,7 +16,8 @@ from mhar_titan.train_spec import FLAVORS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (H, d, number of caller sources = N - 1, T): odd T, widths that are not powers of two, N from 2 to 9,
-# and one exact power-of-two shape (the unmasked path the 8B geometry takes)
+# one exact power-of-two shape (the unmasked path the 8B geometry takes), and heads wider than
+# one chunk of the row kernels' tiles (128 fp32 or 256 bf16 columns): masked, and exact
 SHAPES = [
     (1, 37, 1, 5),
     (1, 37, 8, 3),
@@ -26,6 +27,8 @@ SHAPES = [
     (8, 24, 6, 1),
     (1, 100, 3, 9),
     (8, 64, 3, 8),
+    (1, 300, 2, 3),
+    (2, 1024, 3, 2),
 ]
 
 
