@@ -219,7 +219,7 @@ def tune(args, bw: float) -> None:
     unit = x.numel() * x.element_size()
     defaults = {
         "FWD": {n: dict(v) for n, v in rt.FWD.items()},
-        "STATS": dict(rt.STATS),
+        "STATS": {n: dict(v) for n, v in rt.STATS.items()},
         "MIX": dict(rt.MIX),
         "FINISH": dict(rt.FINISH),
     }
@@ -252,13 +252,31 @@ def tune(args, bw: float) -> None:
         rt.FWD[n] = defaults["FWD"][n]
     for n in (2, 8) if "bwd" in kernels else ():
         srcs = [torch.randn_like(x) for _ in range(n)]
-        for rows, warps in itertools.product((1, 2), (4, 8, 16)):
-            rt.STATS.update(rows=rows, warps_per_4096=warps)
-            bwd(srcs, f"stats rows {rows}, {warps} warps")
-        rt.STATS.update(defaults["STATS"])
+        for rows, warps, maxnreg in itertools.product((16, 32, 64), (8, 16), (None, 128)):
+            rt.STATS[n] = {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg}
+            bwd(srcs, f"stats rows {rows}, {warps} warps, registers <= {maxnreg or 'any'}")
+        rt.STATS[n] = defaults["STATS"][n]
         for block_m, block_kc, warps in [(16, 64, 4), (32, 64, 4), (16, 128, 4), (32, 128, 8)]:
             rt.MIX.update(block_m=block_m, block_kc=block_kc, warps=warps)
             bwd(srcs, f"mix {block_m}x{block_kc}, {warps} warps")
+        rt.MIX.update(defaults["MIX"])
+    for n in range(1, rt.MAX_SOURCES + 1) if "stats" in kernels else ():
+        # the stats and finishing kernels alone (what a call's backward runs before its mix)
+        srcs = [torch.randn_like(x) for _ in range(n)]
+        for maxnreg in (None, 128, 168):
+            rt.STATS[n] = dict(defaults["STATS"][n], maxnreg=maxnreg)
+            ms = do_bench(lambda srcs=srcs: rt._stats(dout, srcs, z, q, g, gate, args.heads, 1e-5), warmup=10, rep=50)
+            label = f"rows {rt.STATS[n]['rows']}, registers <= {maxnreg or 'any'}"
+            print(f"| stats | {n} | {label} | {ms:.3f} | {(n + 1) * unit / (ms * 1e-3) / bw:.0%} |")
+        rt.STATS[n] = defaults["STATS"][n]
+    if "group" in kernels:
+        # calls per mix pass: the microbatch's triton loop without the wrapper, GPU-bound in its backward
+        mb = Microbatch(args.batch, args.seq, d, args.layers, args.blocks)
+        fn = route_fns(args.heads, 1e-5)["triton"]
+        for calls in (1, 2, 4):
+            rt.MIX.update(calls=calls)
+            ms = do_bench(lambda: mb.forward_backward(fn, "triton", per_call_ckpt=False), warmup=3, rep=200)
+            print(f"| microbatch fwd+bwd, no wrapper | 1-8 | mix pass per {calls} calls | {ms:.2f} | |")
         rt.MIX.update(defaults["MIX"])
     if "finish" in kernels:
         finish(rt, x, z, q, g, gate, args.heads, defaults["FINISH"])
@@ -269,7 +287,7 @@ def finish(rt, x, z, q, g, gate, num_heads: int, default: dict) -> None:
     from triton.testing import do_bench
 
     m, d = x.numel() // x.shape[-1], x.shape[-1]
-    parts = -(-m // rt.MIX["block_m"])
+    parts = -(-m // rt.STATS[rt.MAX_SOURCES]["rows"])
     work = torch.randn(parts * (2 * d + num_heads + 1), device=x.device)
     grads = [torch.empty_like(t) for t in (z, q, g, gate)]
     for block_c, block_p, warps in itertools.product((16, 32, 64), (32, 64, 128, 256), (4, 8)):
@@ -308,7 +326,10 @@ def main() -> None:
     parser.add_argument("--sweep-only", action="store_true")
     parser.add_argument("--profile", action="store_true", help="profile the triton microbatch instead")
     parser.add_argument(
-        "--tune", nargs="?", const="fwd,bwd,finish", help="time launch shapes of these kernels (fwd,bwd,finish) instead"
+        "--tune",
+        nargs="?",
+        const="fwd,bwd,stats,group,finish",
+        help="time launch shapes of these kernels (fwd,bwd,stats,group,finish) instead",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():

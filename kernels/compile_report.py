@@ -66,15 +66,17 @@ def main() -> None:
     n, d, h, m = args.sources, args.dim, args.heads, 8192
     p, f32 = f"*{args.dtype}", "*fp32"
     itemsize = 2 if args.dtype == "bf16" else 4
+    calls = rt.MIX["calls"]
     types = {
         "X": p, "SRCS": (p,) * n, "DSRCS": (p,) * n, "NULL": p, "Q": p, "G": p, "GATE": p, "OUT": p,
-        "DOUT": p, "W": f32, "COEF": f32, "WORK": f32, "M": "i32", "eps": "fp32",
+        "DOUT": p, "W": f32, "COEF": f32, "PARTS": f32, "M": "i32", "eps": "fp32", "DOUTS": (p,) * calls,
+        "COEFS": (f32,) * calls, "QS": (p,) * calls, "GS": (p,) * calls, "CSUMS": (f32,) * n,
     }  # fmt: skip
     print(f"sm_90, d={d}, H={h}, {n} sources, {args.dtype}")
     print("| kernel | launch | warps | registers | spill bytes |")
     print("|---|---|---|---|---|")
     fwd = rt.FWD[n]
-    for name, fn, launch in [("fwd", rt._route_fwd_kernel, fwd), ("stats", rt._route_bwd_stats_kernel, rt.STATS)]:
+    for name, fn, launch in [("fwd", rt._route_fwd_kernel, fwd), ("stats", rt._route_bwd_stats_kernel, rt.STATS[n])]:
         for warps_per_4096 in sorted({4, 8, 16, launch["warps_per_4096"]}):
             _, warps, consts = rt._row_launch(m, d, h, n, itemsize, launch["rows"], warps_per_4096)
             # the forward's register cap applies to its own launch shape only
@@ -82,10 +84,11 @@ def main() -> None:
             use = ptxas_usage(compile_sm90(fn, types, consts, warps, cap).asm["ptx"])
             shape = f"rows {launch['rows']}" + (f", registers <= {cap}" if cap else "")
             print(f"| {name} | {shape} | {warps} | {use['registers']} | {use['spill_bytes']} |")
+    shared = (1 << n) - 1  # every source shared, the rest of the sum accumulated: the eager path
     for block_m, block_kc, warps in [(32, 64, 4), (32, 128, 4), (64, 64, 4), (32, 128, 8)]:
-        _, warps, consts = rt._mix_launch(m, d, h, n, block_m, block_kc, warps)
+        _, consts = rt._mix_launch(m, d, h, n, calls, block_m, block_kc, shared, shared)
         use = ptxas_usage(compile_sm90(rt._route_bwd_mix_kernel, types, consts, warps).asm["ptx"])
-        print(f"| mix | {block_m}x{block_kc} | {warps} | {use['registers']} | {use['spill_bytes']} |")
+        print(f"| mix | {block_m}x{block_kc}, {calls} calls | {warps} | {use['registers']} | {use['spill_bytes']} |")
 
 
 if __name__ == "__main__":

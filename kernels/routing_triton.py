@@ -4,20 +4,23 @@ Forward: one pass over the sources per token row, all heads at once; online
 softmax, the full-width RMS norm fused, fp32 statistics, the null source read
 as one vector. Returns the routing weights [N, M, H] (fp32) beside the output.
 
-Backward, three kernels, none with atomics (repeated runs are bitwise equal):
-- stats: one pass over the sources per row (row-wide reductions only) that
-  recomputes the softmax from the inputs and writes, per source, row and head,
-  the three coefficients the gradient is linear in;
+Backward, none with atomics (repeated runs are bitwise equal):
+- stats: one pass over the sources per row that recomputes the softmax from the
+  inputs and writes, per source, row and head, the coefficients the sources'
+  gradients are linear in; each program also sums the weight gradients over its
+  rows (the query/norm-weight term through two online-rescaled running tiles), so
+  a call's parameter gradients need nothing else;
+- finish: sums those per-program partials in a fixed order;
 - mix: a streaming kernel over (row block, column block) tiles, with no row-wide
-  reduction, that writes every source's gradient and per-block partial sums of
-  the weight gradients;
-- finish: sums those partials in a fixed order.
+  reduction, that turns the coefficients into every source's gradient.
 The backward needs only the op's inputs. The eager path keeps them on its autograd
 context, not through save_for_backward, so an activation checkpoint around a call has
 nothing to unpack and never re-runs the forward. A source marked with
 `share_source_grad` (kernels.routing.routing_source) has its gradient summed in place
-by the mix kernel across the eager calls that read it, instead of one new tensor per
-call for autograd to add.
+across the eager calls that read it: the mix kernel does not read such a source (its
+norm term, a per-row multiple of the source, is summed per row and applied once, when
+the sum is complete), and one mix pass serves up to MIX["calls"] consecutive calls over
+the same sources (the sites of a layer), one read and write of each sum for all of them.
 
 Registered as `torch.ops.mhar.route_fwd` / `route_bwd` custom ops with autograd,
 so torch.compile keeps them in its graph instead of breaking at every call; eager
@@ -25,13 +28,12 @@ calls go through a plain autograd.Function over the same launchers.
 
 The row kernels (forward, stats) hold a row as a [heads, chunks, chunk] tile, so that
 Triton gives each warp whole heads: the per-head sums are warp shuffles, and the only
-cross-warp sum per source is the forward's full-width norm (at 8 sources the PTX has 19
-barriers in the forward and 13 in stats, against 66 and 98 with [heads, columns] tiles,
-which spread a 512-wide head over two warps). Registers bound them too (each row's
-tiles live in them): the forward keeps no parameter tile resident (query, norm weight
-and null are re-read from L1), and the backward's weight-gradient accumulators live in
-the mix kernel, which has no row-wide state. `python -m kernels.compile_report` prints
-registers and spills per kernel for sm_90 without a GPU.
+cross-warp sum per source is the full-width norm (at 8 sources the PTX has 19 barriers in
+the forward, against 66 with [heads, columns] tiles, which spread a 512-wide head over two
+warps; stats has 77, as it needs each source's norm before the next for its running tiles).
+Registers bound them too (each row's tiles live in them): the forward keeps no parameter
+tile resident (query, norm weight and null are re-read from L1). `python -m
+kernels.compile_report` prints registers and spills per kernel for sm_90 without a GPU.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -216,6 +219,7 @@ def _route_bwd_stats_kernel(
     G,
     GATE,
     COEF,
+    PARTS,
     M,
     eps,
     D: tl.constexpr,
@@ -233,20 +237,27 @@ def _route_bwd_stats_kernel(
     # Per row and head, with c_n = <dout_h, s_n,h>, a_n = <(q g)_h, s_n,h>, w = softmax_n(a_n rstd_n)
     # (null: its own logit), dot = sum_n w_n c_n, dl_n = gate w_n (c_n - dot):
     #   ds_n = A_n dout + B_n (q g) - C_n s_n   with   A_n = gate w_n,  B_n = rstd_n dl_n,
-    #   C_n = rstd_n^3 sum_h(dl_n a_n) / D,
-    # and the weight gradients are sums over rows of B_n s_n (query, norm weight), A_0 dout (null),
-    # dl_0 (the null's norm term) and dot (gate). COEF[k, n, row, h] holds A, B, C for sources
-    # n >= 1; for the null (n = 0): A_0, dl_0 and dot.
+    #   C_n = rstd_n^3 sum_h(dl_n a_n) / D.
+    # COEF[k, n - 1, row, h] holds A, B and C's terms per head (the mix kernel sums them) for the
+    # sources n >= 1. The weight gradients are sums over rows: of sum_n B_n s_n (query, norm
+    # weight), of A_0 dout (null), of dl_0 (the null's norm term) and of dot (gate); this
+    # program sums them over its ROWS rows into PARTS (_partials). sum_n B_n s_n needs dot,
+    # known only after the last source, so it is built as gate (U - dot V) / den from two
+    # running tiles, U = sum_n rstd_n e_n c_n s_n and V = sum_n rstd_n e_n s_n, rescaled with
+    # the online softmax's max as the forward's accumulator is: every source is read once.
+    # Per-source statistics are tuples of per-head vectors, which cost a register each.
     cols, mask = _row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
-    # per-source statistics as [heads, sources] tiles, laid out as the heads' sums come
-    nn = tl.arange(0, BLOCK_N)[None, :]
-    hw = tl.arange(0, BLOCK_H)[:, None]
-    c_mask = (nn < NUM_SRC + 1) & (hw < H)
+    hv = tl.arange(0, BLOCK_H)
     z_logit = _null_logit(NULL, Q, G, cols, mask, D, eps, JOINT)
     gate = tl.load(GATE).to(tl.float32)
-    plane = (NUM_SRC + 1) * M * H
+    plane = NUM_SRC * M * H
 
-    start = tl.program_id(0).to(tl.int64) * ROWS
+    t = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
+    w0do = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
+    dl0 = tl.zeros([BLOCK_H], tl.float32)
+    dgate = tl.zeros([BLOCK_H], tl.float32)
+    pid = tl.program_id(0)
+    start = pid.to(tl.int64) * ROWS
     for r in range(ROWS):
         row = start + r
         row_mask = mask & (row < M)
@@ -256,9 +267,12 @@ def _route_bwd_stats_kernel(
         s_a = _load_raw(SRCS[0] + base + cols, row_mask, EVEN)
         if NUM_SRC > 1:
             s_b = _load_raw(SRCS[1] + base + cols, row_mask, EVEN)
-        c = tl.where(nn == 0, _head_sum(do * _param(NULL, cols, mask))[:, None], 0.0)
-        a = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-        ssh = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        m = z_logit
+        den = tl.full([BLOCK_H], 1.0, tl.float32)
+        u = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
+        v = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
+        c0 = _head_sum(do * _param(NULL, cols, mask))
+        cs, lgs, rstds = (), (), ()
         for i in tl.static_range(NUM_SRC):
             s = s_a.to(tl.float32)
             if i + 1 < NUM_SRC:
@@ -267,57 +281,95 @@ def _route_bwd_stats_kernel(
                 s_b = _load_raw(SRCS[i + 2] + base + cols, row_mask, EVEN)
             qg = _param(Q, cols, mask) * _param(G, cols, mask)
             ss, sd, sq = _head_sums3(s * s, s * do, s * qg, JOINT)
-            sel = nn == i + 1
-            c = tl.where(sel, sd[:, None], c)
-            a = tl.where(sel, sq[:, None], a)
-            ssh = tl.where(sel, ss[:, None], ssh)
-        # Unlike the forward's online softmax, nothing here needs a source's norm before the
-        # next source: all of them are summed over heads at once (one cross-warp sum, not N).
-        # Row 0 (the null, normed by its own logit) and padding rows are not used.
-        rstds = tl.rsqrt(tl.sum(ssh, axis=0)[None, :] / D + eps)
-        lg = tl.where(nn == 0, z_logit[:, None], tl.where(nn <= NUM_SRC, a * rstds, float("-inf")))
-        e = tl.exp(lg - tl.max(lg, axis=1)[:, None])
-        w = e / tl.sum(e, axis=1)[:, None]
-        dot = tl.sum(w * c, axis=1)
-        dl = gate * w * (c - dot[:, None])
-        coupling = tl.sum(dl * a, axis=0)[None, :] * rstds * rstds * rstds / D
-        offs = nn * (M * H) + row * H + hw
-        valid = c_mask & (row < M)
-        tl.store(COEF + offs, gate * w, mask=valid)
-        tl.store(COEF + plane + offs, tl.where(nn == 0, dl, dl * rstds), mask=valid)
-        tl.store(COEF + 2 * plane + offs, tl.where(nn == 0, dot[:, None], coupling), mask=valid)
+            rstd = tl.rsqrt(tl.sum(ss) / D + eps)
+            lg = sq * rstd
+            m_new = tl.maximum(m, lg)
+            alpha = tl.exp(m - m_new)
+            e = tl.exp(lg - m_new)
+            den = den * alpha + e
+            er = e * rstd
+            u = u * alpha[:, None, None] + s * (er * sd)[:, None, None]
+            v = v * alpha[:, None, None] + s * er[:, None, None]
+            m = m_new
+            cs, lgs, rstds = cs + (sd,), lgs + (lg,), rstds + (rstd,)
+        inv = 1.0 / den
+        w0 = tl.exp(z_logit - m) * inv
+        dot = w0 * c0
+        for i in tl.static_range(NUM_SRC):
+            dot += tl.exp(lgs[i] - m) * inv * cs[i]
+        t += (gate * inv)[:, None, None] * (u - dot[:, None, None] * v)
+        w0do += (gate * w0)[:, None, None] * do
+        dl0 += gate * w0 * (c0 - dot)
+        dgate += dot
+        valid = (hv < H) & (row < M)
+        for i in tl.static_range(NUM_SRC):
+            w = tl.exp(lgs[i] - m) * inv
+            dl = gate * w * (cs[i] - dot)
+            offs = i * M * H + row * H + hv
+            tl.store(COEF + offs, gate * w, mask=valid)
+            tl.store(COEF + plane + offs, dl * rstds[i], mask=valid)
+            tl.store(COEF + 2 * plane + offs, dl * lgs[i] * (rstds[i] * rstds[i] / D), mask=valid)
+    T_PART, W0DO_PART, DL0_PART, DGATE_PART = _partials(PARTS, tl.num_programs(0), D, H)
+    part = pid.to(tl.int64) * D + cols
+    _store(T_PART + part, t, mask, EVEN)
+    _store(W0DO_PART + part, w0do, mask, EVEN)
+    tl.store(DL0_PART + pid * H + hv, dl0, mask=hv < H)
+    tl.store(DGATE_PART + pid, tl.sum(tl.where(hv < H, dgate, 0.0)))
 
 
 @triton.jit
 def _partials(PARTS, P, D: tl.constexpr, H: tl.constexpr):
-    """The mix kernel's partial sums per row block (P of them), one after another in one
+    """The stats kernel's partial sums per program (P of them), one after another in one
     buffer: query/norm-weight sums [P, D], the null's mixing term [P, D], dl_0 [P, H], dot [P]."""
     return PARTS, PARTS + P * D, PARTS + 2 * P * D, PARTS + 2 * P * D + P * H
 
 
 @triton.jit
+def _mix_term(ds, do, qg, COEF, off, plane, row_ok):
+    """ds + A dout + B (q g), one call's share of a source's gradient."""
+    a = tl.load(COEF + off, mask=row_ok, other=0.0)[:, None]
+    b = tl.load(COEF + plane + off, mask=row_ok, other=0.0)[:, None]
+    return ds + a * do + b * qg
+
+
+@triton.jit
+def _coupling(COEF, off, rows, row_ok, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    """C per row: the stats kernel's per-head terms, summed."""
+    hv = tl.arange(0, BLOCK_H)[None, :]
+    terms = tl.load(COEF + off + rows[:, None] * H + hv, mask=row_ok[:, None] & (hv < H), other=0.0)
+    return tl.sum(terms, axis=1)
+
+
+@triton.jit
 def _route_bwd_mix_kernel(
-    DOUT,
+    DOUTS,
+    COEFS,
+    QS,
+    GS,
     SRCS,
     DSRCS,
-    Q,
-    G,
-    WORK,
+    CSUMS,
     M,
     D: tl.constexpr,
     H: tl.constexpr,
     K: tl.constexpr,
     NUM_SRC: tl.constexpr,
+    NUM_CALLS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_KC: tl.constexpr,
     EVEN: tl.constexpr,
     ACCUM: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
-    """One [BLOCK_M rows, BLOCK_KC columns] tile of one head: every source's gradient from
-    the per-row coefficients, and this row block's partial sums of the weight gradients.
-    Bit i of ACCUM: add source i's gradient to what DSRCS[i] holds instead of overwriting it.
-    WORK holds the stats kernel's coefficients, then the partials (_partials)."""
+    """One [BLOCK_M rows, BLOCK_KC columns] tile of one head: every source's gradient from the
+    per-row coefficients of NUM_CALLS (1..4) calls that read the same sources, one pass over
+    the gradients for all of them:  ds_n (+)= sum_calls (A_n dout + B_n (q g)) - C_n s_n.
+    Bit i of ACCUM: add to what DSRCS[i] and CSUMS[i] hold instead of overwriting them.
+    Bit i of SHARED: source i's gradient is a sum that many calls add to (routing_source), and
+    its norm term -C s is applied once, when the sum is complete (_route_bwd_norm_kernel):
+    here C is only summed per row into CSUMS[i], and the source itself is not read.
+    Unshared sources (SHARED bit clear) take one call (NUM_CALLS = 1)."""
     rb = tl.program_id(0)
     cb = tl.program_id(1)
     chunks: tl.constexpr = (K + BLOCK_KC - 1) // BLOCK_KC
@@ -328,46 +380,81 @@ def _route_bwd_mix_kernel(
     row_ok = rows < M
     tile = rows[:, None] * D + col[None, :]
     mask = row_ok[:, None] & (kc < K)[None, :]
-    plane = (NUM_SRC + 1) * M * H
-    coef = WORK + rows * H + h
-    T_PART, W0DO_PART, DL0_PART, DGATE_PART = _partials(WORK + 3 * plane, tl.num_programs(0), D, H)
+    plane = NUM_SRC * M * H
+    off = rows * H + h
 
-    do = _load_raw(DOUT + tile, mask, EVEN).to(tl.float32)
-    s_next = _load_raw(SRCS[0] + tile, mask, EVEN)
-    qg = (_param(Q, col, kc < K) * _param(G, col, kc < K))[None, :]
-    a0 = tl.load(coef, mask=row_ok, other=0.0)
-    t = tl.zeros([BLOCK_M, BLOCK_KC], tl.float32)
+    # every call's dout tile stays in registers across the sources
+    do0 = _load_raw(DOUTS[0] + tile, mask, EVEN).to(tl.float32)
+    qg0 = (_param(QS[0], col, kc < K) * _param(GS[0], col, kc < K))[None, :]
+    if NUM_CALLS > 1:
+        do1 = _load_raw(DOUTS[1] + tile, mask, EVEN).to(tl.float32)
+        qg1 = (_param(QS[1], col, kc < K) * _param(GS[1], col, kc < K))[None, :]
+    if NUM_CALLS > 2:
+        do2 = _load_raw(DOUTS[2] + tile, mask, EVEN).to(tl.float32)
+        qg2 = (_param(QS[2], col, kc < K) * _param(GS[2], col, kc < K))[None, :]
+    if NUM_CALLS > 3:
+        do3 = _load_raw(DOUTS[3] + tile, mask, EVEN).to(tl.float32)
+        qg3 = (_param(QS[3], col, kc < K) * _param(GS[3], col, kc < K))[None, :]
+    # the next source's running sum (and, unshared, the source) load while this one is mixed
     if ACCUM & 1:
         prev_next = _load_raw(DSRCS[0] + tile, mask, EVEN)
+    if not SHARED & 1:
+        s_next = _load_raw(SRCS[0] + tile, mask, EVEN)
     for i in tl.static_range(NUM_SRC):
-        s = s_next.to(tl.float32)
         if (ACCUM >> i) & 1:
             prev = prev_next
-        # the next source and its running sum are loaded while this one is mixed
+        if not (SHARED >> i) & 1:
+            s = s_next
         if i + 1 < NUM_SRC:
-            s_next = _load_raw(SRCS[i + 1] + tile, mask, EVEN)
             if (ACCUM >> (i + 1)) & 1:
                 prev_next = _load_raw(DSRCS[i + 1] + tile, mask, EVEN)
-        n_off = (i + 1) * M * H
-        a_n = tl.load(coef + n_off, mask=row_ok, other=0.0)[:, None]
-        b_n = tl.load(coef + plane + n_off, mask=row_ok, other=0.0)[:, None]
-        c_n = tl.load(coef + 2 * plane + n_off, mask=row_ok, other=0.0)[:, None]
-        ds = a_n * do + b_n * qg - c_n * s
+            if not (SHARED >> (i + 1)) & 1:
+                s_next = _load_raw(SRCS[i + 1] + tile, mask, EVEN)
+        n_off = off + i * M * H
         if (ACCUM >> i) & 1:
-            ds += prev.to(tl.float32)
+            ds = prev.to(tl.float32)
+        else:
+            ds = tl.zeros([BLOCK_M, BLOCK_KC], tl.float32)
+        ds = _mix_term(ds, do0, qg0, COEFS[0], n_off, plane, row_ok)
+        if NUM_CALLS > 1:
+            ds = _mix_term(ds, do1, qg1, COEFS[1], n_off, plane, row_ok)
+        if NUM_CALLS > 2:
+            ds = _mix_term(ds, do2, qg2, COEFS[2], n_off, plane, row_ok)
+        if NUM_CALLS > 3:
+            ds = _mix_term(ds, do3, qg3, COEFS[3], n_off, plane, row_ok)
+        if (SHARED >> i) & 1:
+            if cb == 0:
+                # C is the same for every head: this row block's column-block-0 program sums it
+                c_off = 2 * plane + i * M * H
+                cs = _coupling(COEFS[0], c_off, rows, row_ok, H, BLOCK_H)
+                if NUM_CALLS > 1:
+                    cs += _coupling(COEFS[1], c_off, rows, row_ok, H, BLOCK_H)
+                if NUM_CALLS > 2:
+                    cs += _coupling(COEFS[2], c_off, rows, row_ok, H, BLOCK_H)
+                if NUM_CALLS > 3:
+                    cs += _coupling(COEFS[3], c_off, rows, row_ok, H, BLOCK_H)
+                if (ACCUM >> i) & 1:
+                    cs += tl.load(CSUMS[i] + rows, mask=row_ok, other=0.0)
+                tl.store(CSUMS[i] + rows, cs, mask=row_ok)
+        else:
+            c = _coupling(COEFS[0], 2 * plane + i * M * H, rows, row_ok, H, BLOCK_H)
+            ds -= c[:, None] * s.to(tl.float32)
         _store(DSRCS[i] + tile, ds, mask, EVEN)
-        t += b_n * s
-    part = rb.to(tl.int64) * D + col
-    tl.store(T_PART + part, tl.sum(t, axis=0), mask=kc < K)
-    tl.store(W0DO_PART + part, tl.sum(a0[:, None] * do, axis=0), mask=kc < K)
-    if cb == 0:
-        # this row block's sums over rows of dl_0 (per head) and of dot (over heads)
-        hv = tl.arange(0, BLOCK_H)[None, :]
-        head_mask = row_ok[:, None] & (hv < H)
-        null_rows = WORK + rows[:, None] * H + hv
-        dl0 = tl.sum(tl.load(null_rows + plane, mask=head_mask, other=0.0), axis=0)
-        tl.store(DL0_PART + rb * H + tl.arange(0, BLOCK_H), dl0, mask=tl.arange(0, BLOCK_H) < H)
-        tl.store(DGATE_PART + rb, tl.sum(tl.load(null_rows + 2 * plane, mask=head_mask, other=0.0)))
+
+
+@triton.jit
+def _route_bwd_norm_kernel(
+    SRC, DSRC, CSUM, M, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN: tl.constexpr
+):
+    """A shared source's norm term, once its gradient sum is complete: ds -= csum[row] * s."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    tile = rows[:, None] * D + cols[None, :]
+    mask = (rows < M)[:, None] & (cols < D)[None, :]
+    c = tl.load(CSUM + rows, mask=rows < M, other=0.0)[:, None]
+    s = _load_raw(SRC + tile, mask, EVEN).to(tl.float32)
+    ds = _load_raw(DSRC + tile, mask, EVEN).to(tl.float32) - c * s
+    _store(DSRC + tile, ds, mask, EVEN)
 
 
 @triton.jit
@@ -391,7 +478,7 @@ def _route_bwd_finish_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """Sums the mix kernel's per-row-block partials in a fixed order and finishes the
+    """Sums the stats kernel's per-program partials in a fixed order and finishes the
     weight gradients; the null source's norm term depends on the rows only through
     sum_rows dl_0. Each program owns BLOCK_C columns."""
     T_PART, W0DO_PART, DL0_PART, DGATE_PART = _partials(PARTS, P, D, H)
@@ -447,8 +534,9 @@ FWD = {
     7: {"rows": 1, "warps_per_4096": 8, "maxnreg": None},
     8: {"rows": 2, "warps_per_4096": 8, "maxnreg": None},
 }
-STATS = {"rows": 1, "warps_per_4096": 4}
-MIX = {"block_m": 32, "block_kc": 64, "warps": 4}
+STATS = {n: {"rows": 32, "warps_per_4096": 8, "maxnreg": 128 if n <= 3 else None} for n in FWD}
+MIX = {"block_m": 32, "block_kc": 64, "warps": 4, "calls": 4}  # calls: most calls one pass serves
+NORM = {"block_m": 32, "block_d": 128, "warps": 4}
 FINISH = {"block_c": 32, "block_p": 256, "warps": 8}  # columns per program, partials per step
 
 
@@ -512,6 +600,7 @@ class _Launcher:
 _launch_fwd = _Launcher(_route_fwd_kernel)
 _launch_stats = _Launcher(_route_bwd_stats_kernel)
 _launch_mix = _Launcher(_route_bwd_mix_kernel)
+_launch_norm = _Launcher(_route_bwd_norm_kernel)
 _launch_finish = _Launcher(_route_bwd_finish_kernel)
 
 
@@ -557,23 +646,39 @@ def _row_launch(
 
 @functools.cache
 def _mix_launch(
-    m: int, d: int, num_heads: int, num_sources: int, block_m: int, block_kc: int, warps: int, accum: int = 0
+    m: int,
+    d: int,
+    num_heads: int,
+    num_sources: int,
+    num_calls: int,
+    block_m: int,
+    block_kc: int,
+    accum: int,
+    shared: int,
 ) -> tuple:
     k = d // num_heads
     block_kc = min(block_kc, _pow2(k))
-    row_blocks = _cdiv(m, block_m)
     consts = {
         "D": d,
         "H": num_heads,
         "K": k,
         "NUM_SRC": num_sources,
+        "NUM_CALLS": num_calls,
         "BLOCK_H": _pow2(num_heads),
         "BLOCK_M": block_m,
         "BLOCK_KC": block_kc,
         "EVEN": m % block_m == 0 and k % block_kc == 0,
         "ACCUM": accum,
+        "SHARED": shared,
     }
-    return (row_blocks, num_heads * _cdiv(k, block_kc)), warps, consts
+    return (_cdiv(m, block_m), num_heads * _cdiv(k, block_kc)), consts
+
+
+@functools.cache
+def _norm_launch(m: int, d: int, block_m: int, block_d: int) -> tuple:
+    block_d = min(block_d, _pow2(d))
+    consts = {"D": d, "BLOCK_M": block_m, "BLOCK_D": block_d, "EVEN": m % block_m == 0 and d % block_d == 0}
+    return (_cdiv(m, block_m), _cdiv(d, block_d)), consts
 
 
 @functools.cache
@@ -647,6 +752,108 @@ def _forward(
     return out, weights
 
 
+class _MixCall(NamedTuple):
+    """What the mix kernel needs of one call, once its stats have run."""
+
+    dout: torch.Tensor
+    coef: torch.Tensor  # [3, N, m, H]: A, B, C per source (the stats kernel's COEF)
+    query: torch.Tensor
+    norm_weight: torch.Tensor
+
+
+def _stats(
+    grad_out: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    null: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate: torch.Tensor,
+    num_heads: int,
+    eps: float,
+) -> tuple[_MixCall, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One call's backward up to its sources' gradients: the stats and finishing kernels give
+    the site's parameter gradients and the coefficients the mix kernel turns into the sources'."""
+    _check_inputs(grad_out, sources)
+    d = grad_out.shape[-1]
+    m = grad_out.numel() // d
+    n = len(sources)
+    dout = grad_out.contiguous()
+    srcs = tuple(s.contiguous() for s in sources)
+    z, q, g, gate = (t.contiguous() for t in (null, query, norm_weight, gate))
+    interp = _interpreting()
+    launch = STATS[n]
+    rows = _cpu_rows(m) if interp else launch["rows"]
+    grid, warps, consts = _row_launch(
+        m, d, num_heads, n, dout.element_size(), rows, launch["warps_per_4096"], not interp
+    )
+    parts = grid[0]
+    # One allocation: the coefficients [3, N, m, H], then the per-program partials.
+    coef_size = 3 * n * m * num_heads
+    work = _empty((coef_size + parts * (2 * d + num_heads + 1),), device=dout.device, dtype=torch.float32)
+    cap = None if interp else launch["maxnreg"]
+    _launch_stats(grid, warps, consts, dout, srcs, z, q, g, gate, work, work[coef_size:], m, eps, maxnreg=cap)
+    dz, dq, dg, dgate = (_empty_like(t) for t in (z, q, g, gate))
+    grid, warps, consts = _finish_launch(
+        d, num_heads, z.element_size(), parts, FINISH["block_c"], FINISH["block_p"], FINISH["warps"]
+    )
+    _launch_finish(grid, warps, consts, work[coef_size:], z, q, g, dz, dq, dg, dgate, eps)
+    return _MixCall(dout, work[:coef_size], q, g), dz, dq, dg, dgate
+
+
+def _mix(
+    calls: Sequence[_MixCall],
+    sources: Sequence[torch.Tensor],
+    slots: Sequence[_GradSlot | None],
+    num_heads: int,
+) -> list[torch.Tensor | None]:
+    """The sources' gradients from 1..4 calls over the same sources, in one pass. A source
+    with a slot has them added to the slot's sum (its norm term deferred to the slot's
+    csum); the others get a new tensor, returned (None in the slots' places)."""
+    srcs = tuple(s.contiguous() for s in sources)
+    d = srcs[0].shape[-1]
+    m = srcs[0].numel() // d
+    dsrcs, csums, accum, shared = [], [], 0, 0
+    for i, (s, slot) in enumerate(zip(srcs, slots, strict=True)):
+        if slot is None:
+            dsrcs.append(_empty_like(s))
+            csums.append(dsrcs[-1])  # not read or written
+            continue
+        shared |= 1 << i
+        if slot.grad is None:
+            slot.grad, slot.csum = _empty_like(s), _empty((m,), device=s.device, dtype=torch.float32)
+        else:
+            accum |= 1 << i
+        dsrcs.append(slot.grad)
+        csums.append(slot.csum)
+    if not 1 <= len(calls) <= 4:
+        raise ValueError(f"mhar_route: one mix pass serves 1..4 calls, got {len(calls)} (MIX['calls'])")
+    if len(calls) > 1 and shared != (1 << len(srcs)) - 1:
+        raise RuntimeError("mhar_route: one mix pass serves several calls only when every source is shared")
+    block_m = _cpu_rows(m) if _interpreting() else MIX["block_m"]
+    grid, consts = _mix_launch(m, d, num_heads, len(srcs), len(calls), block_m, MIX["block_kc"], accum, shared)
+    by_field = tuple(zip(*calls, strict=True))
+    _launch_mix(grid, MIX["warps"], consts, *by_field, srcs, tuple(dsrcs), tuple(csums), m)
+    return [None if slot is not None else ds for slot, ds in zip(slots, dsrcs, strict=True)]
+
+
+def _finish_shared(source: torch.Tensor, slot: _GradSlot) -> torch.Tensor | None:
+    """The complete gradient a slot gathered: its norm term applied, once."""
+    if slot.pending is not None:
+        slot.pending.flush()
+    grad, csum, slot.grad, slot.csum = slot.grad, slot.csum, None, None
+    if grad is None:
+        return None
+    src = source.contiguous()
+    d = src.shape[-1]
+    m = src.numel() // d
+    if _interpreting():
+        grid, consts = _norm_launch(m, d, _cpu_rows(m), _pow2(d))
+    else:
+        grid, consts = _norm_launch(m, d, NORM["block_m"], NORM["block_d"])
+    _launch_norm(grid, NORM["warps"], consts, src, grad, csum, m)
+    return grad
+
+
 def _backward(
     grad_out: torch.Tensor,
     sources: Sequence[torch.Tensor],
@@ -656,44 +863,11 @@ def _backward(
     gate: torch.Tensor,
     num_heads: int,
     eps: float,
-    into: Sequence[torch.Tensor | None] = (),
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of the sources and of the site's parameters. `into`, per source: None, or a
-    contiguous gradient buffer of the source's shape and dtype that this call's gradient is
-    added to in place (and returned)."""
-    _check_inputs(grad_out, sources)
-    d = grad_out.shape[-1]
-    m = grad_out.numel() // d
-    n = len(sources)
-    dout = grad_out.contiguous()
-    srcs = tuple(s.contiguous() for s in sources)
-    z, q, g, gate = (t.contiguous() for t in (null, query, norm_weight, gate))
-    f32 = {"device": grad_out.device, "dtype": torch.float32}
-    into = tuple(into) or (None,) * n
-    dsrcs = tuple(_empty_like(s) if buf is None else buf for s, buf in zip(srcs, into, strict=True))
-    accum = sum(1 << i for i, buf in enumerate(into) if buf is not None)
-
-    interp = _interpreting()
-    block_m = _cpu_rows(m) if interp else MIX["block_m"]
-    mix_grid, mix_warps, mix_consts = _mix_launch(m, d, num_heads, n, block_m, MIX["block_kc"], MIX["warps"], accum)
-    parts = mix_grid[0]
-    # One allocation: the stats kernel's coefficients [3, N, m, H], then the mix kernel's partials.
-    coef_size = 3 * (n + 1) * m * num_heads
-    work = _empty((coef_size + parts * (2 * d + num_heads + 1),), **f32)
-    rows = _cpu_rows(m) if interp else STATS["rows"]
-    grid, warps, consts = _row_launch(
-        m, d, num_heads, n, dout.element_size(), rows, STATS["warps_per_4096"], not interp
-    )
-    _launch_stats(grid, warps, consts, dout, srcs, z, q, g, gate, work, m, eps)
-
-    _launch_mix(mix_grid, mix_warps, mix_consts, dout, srcs, dsrcs, q, g, work, m)
-
-    dz, dq, dg, dgate = (_empty_like(t) for t in (z, q, g, gate))
-    grid, warps, consts = _finish_launch(
-        d, num_heads, z.element_size(), parts, FINISH["block_c"], FINISH["block_p"], FINISH["warps"]
-    )
-    _launch_finish(grid, warps, consts, work[coef_size:], z, q, g, dz, dq, dg, dgate, eps)
-    return list(dsrcs), dz, dq, dg, dgate
+    """Gradients of the sources and of the site's parameters, for one call on its own."""
+    call, dz, dq, dg, dgate = _stats(grad_out, sources, null, query, norm_weight, gate, num_heads, eps)
+    dsrcs = _mix([call], sources, (None,) * len(sources), num_heads)
+    return dsrcs, dz, dq, dg, dgate
 
 
 @torch.library.custom_op("mhar::route_fwd", mutates_args=())
@@ -776,12 +950,50 @@ def _unpack_inputs(ctx) -> tuple[torch.Tensor, ...]:
 
 
 class _GradSlot:
-    """The gradient of one routing source, summed in place by the routing calls that read it."""
+    """The gradient of one routing source, summed in place by the routing calls that read it:
+    `grad` without the norm term, whose per-row coefficient the calls sum in `csum`; `pending`,
+    the group of calls whose mix pass has not run yet."""
 
-    __slots__ = ("grad",)
+    __slots__ = ("grad", "csum", "pending")
 
     def __init__(self) -> None:
         self.grad: torch.Tensor | None = None
+        self.csum: torch.Tensor | None = None
+        self.pending: _MixGroup | None = None
+
+
+class _MixGroup:
+    """Backward calls over the same shared sources whose mix waits for the next such call, so
+    that one pass over the sources' gradient sums serves up to MIX["calls"] of them (the two
+    sites of a layer read the same sources): per source, one read and one write of its sum
+    for the group instead of one of each per call. It runs when full, when a call over other
+    sources needs one of its slots, or when a slot's sum is handed on (_finish_shared)."""
+
+    def __init__(self, slots: tuple[_GradSlot, ...], sources: tuple[torch.Tensor, ...], num_heads: int) -> None:
+        self.slots, self.sources, self.num_heads = slots, sources, num_heads
+        self.calls: list[_MixCall] = []
+        for slot in slots:
+            slot.pending = self
+
+    def flush(self) -> None:
+        for slot in self.slots:
+            slot.pending = None
+        _mix(self.calls, self.sources, self.slots, self.num_heads)
+        self.calls = []
+
+
+def _mix_shared(call: _MixCall, sources: Sequence[torch.Tensor], slots: tuple[_GradSlot, ...], num_heads: int) -> None:
+    """A call whose every source is shared joins the pending group over the same sources, or
+    starts one."""
+    group = slots[0].pending
+    if group is None or group.slots != slots or group.num_heads != num_heads:
+        for slot in slots:
+            if slot.pending is not None:
+                slot.pending.flush()
+        group = _MixGroup(slots, tuple(sources), num_heads)
+    group.calls.append(call)
+    if len(group.calls) >= MIX["calls"]:
+        group.flush()
 
 
 class _SharedGrad(torch.autograd.Function):
@@ -790,13 +1002,14 @@ class _SharedGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, source, slot):
-        ctx.slot = slot
+        ctx.source, ctx.slot = source, slot  # the source is alive for its readers' backward anyway
         ctx.set_materialize_grads(False)
         return source.view_as(source)
 
     @staticmethod
     def backward(ctx, grad):
-        summed, ctx.slot.grad = ctx.slot.grad, None
+        summed = _finish_shared(ctx.source, ctx.slot)
+        ctx.source = None
         if summed is None:
             return grad, None
         if grad is not None:
@@ -856,18 +1069,14 @@ class _Route(torch.autograd.Function):
         null, query, norm_weight, gate, *sources = _unpack_inputs(ctx)
         if grad_out is None:  # the output did not reach the loss
             return (None,) * (7 + len(sources))
-        into = [None if slot is None else slot.grad for slot in ctx.slots]
-        dsrcs, dz, dq, dg, dgate = _backward(
-            grad_out, sources, null, query, norm_weight, gate, ctx.num_heads, ctx.eps, into
-        )
-        returned = []  # a shared source's gradient stays in its slot, the others go to autograd
-        for slot, ds in zip(ctx.slots, dsrcs, strict=True):
-            if slot is None:
-                returned.append(ds)
-            else:
-                slot.grad = ds
-                returned.append(None)
-        return grad_out, dz, dq, dg, dgate, None, None, *returned
+        call, dz, dq, dg, dgate = _stats(grad_out, sources, null, query, norm_weight, gate, ctx.num_heads, ctx.eps)
+        # A shared source's gradient goes to its slot (None to autograd), the others to autograd.
+        if all(slot is not None for slot in ctx.slots):
+            _mix_shared(call, sources, ctx.slots, ctx.num_heads)
+            dsrcs = [None] * len(sources)
+        else:
+            dsrcs = _mix([call], sources, ctx.slots, ctx.num_heads)
+        return grad_out, dz, dq, dg, dgate, None, None, *dsrcs
 
 
 def route_triton(
