@@ -263,10 +263,17 @@ def tune(args, bw: float) -> None:
     for n in range(1, rt.MAX_SOURCES + 1) if "stats" in kernels else ():
         # the stats and finishing kernels alone (what a call's backward runs before its mix)
         srcs = [torch.randn_like(x) for _ in range(n)]
-        for maxnreg in (None, 128, 168):
-            rt.STATS[n] = dict(defaults["STATS"][n], maxnreg=maxnreg)
-            ms = do_bench(lambda srcs=srcs: rt._stats(dout, srcs, z, q, g, gate, args.heads, 1e-5), warmup=10, rep=50)
-            label = f"rows {rt.STATS[n]['rows']}, registers <= {maxnreg or 'any'}"
+        rstds = [rt._source_rstd(s, 1e-5) for s in srcs]  # as for sources marked with routing_source
+        for given, maxnreg in itertools.product((False, True), (None, 128, 168)):
+            rt.STATS[n] = dict(defaults["STATS"][n], maxnreg=maxnreg, given_rstd=given)
+            ms = do_bench(
+                lambda srcs=srcs, rstds=rstds: rt._stats(dout, srcs, z, q, g, gate, args.heads, 1e-5, rstds),
+                warmup=10,
+                rep=50,
+            )
+            label = (
+                f"rows {rt.STATS[n]['rows']}, registers <= {maxnreg or 'any'}, rstd {'given' if given else 'computed'}"
+            )
             print(f"| stats | {n} | {label} | {ms:.3f} | {(n + 1) * unit / (ms * 1e-3) / bw:.0%} |")
         rt.STATS[n] = defaults["STATS"][n]
     if "group" in kernels:

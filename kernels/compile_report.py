@@ -70,15 +70,17 @@ def main() -> None:
     types = {
         "X": p, "SRCS": (p,) * n, "DSRCS": (p,) * n, "NULL": p, "Q": p, "G": p, "GATE": p, "OUT": p,
         "DOUT": p, "W": f32, "COEF": f32, "PARTS": f32, "M": "i32", "eps": "fp32", "DOUTS": (p,) * calls,
-        "COEFS": (f32,) * calls, "QS": (p,) * calls, "GS": (p,) * calls, "CSUMS": (f32,) * n,
+        "COEFS": (f32,) * calls, "QS": (p,) * calls, "GS": (p,) * calls, "CSUMS": (f32,) * n, "RSTDS": (f32,) * n,
     }  # fmt: skip
     print(f"sm_90, d={d}, H={h}, {n} sources, {args.dtype}")
     print("| kernel | launch | warps | registers | spill bytes |")
     print("|---|---|---|---|---|")
     fwd = rt.FWD[n]
     for name, fn, launch in [("fwd", rt._route_fwd_kernel, fwd), ("stats", rt._route_bwd_stats_kernel, rt.STATS[n])]:
+        # stats as the eager path launches it: marked sources, their rstd given where the table says
+        known = None if name == "fwd" else (1 << n) - 1 if launch["given_rstd"] else 0
         for warps_per_4096 in sorted({4, 8, 16, launch["warps_per_4096"]}):
-            _, warps, consts = rt._row_launch(m, d, h, n, itemsize, launch["rows"], warps_per_4096)
+            _, warps, consts = rt._row_launch(m, d, h, n, itemsize, launch["rows"], warps_per_4096, True, known)
             # the forward's register cap applies to its own launch shape only
             cap = launch.get("maxnreg") if warps_per_4096 == launch["warps_per_4096"] else None
             use = ptxas_usage(compile_sm90(fn, types, consts, warps, cap).asm["ptx"])

@@ -20,7 +20,8 @@ nothing to unpack and never re-runs the forward. A source marked with
 across the eager calls that read it: the mix kernel does not read such a source (its
 norm term, a per-row multiple of the source, is summed per row and applied once, when
 the sum is complete), and one mix pass serves up to MIX["calls"] consecutive calls over
-the same sources (the sites of a layer), one read and write of each sum for all of them.
+the same sources (the sites of a layer), one read and write of each sum for all of them;
+the source's 1 / rms per row is computed once, for the stats kernels of all those calls.
 
 Registered as `torch.ops.mhar.route_fwd` / `route_bwd` custom ops with autograd,
 so torch.compile keeps them in its graph instead of breaking at every call; eager
@@ -30,7 +31,8 @@ The row kernels (forward, stats) hold a row as a [heads, chunks, chunk] tile, so
 Triton gives each warp whole heads: the per-head sums are warp shuffles, and the only
 cross-warp sum per source is the full-width norm (at 8 sources the PTX has 19 barriers in
 the forward, against 66 with [heads, columns] tiles, which spread a 512-wide head over two
-warps; stats has 77, as it needs each source's norm before the next for its running tiles).
+warps; stats has 35, as it needs each source's norm before the next for its running tiles,
+and 19 where the sources are marked, their norms computed once beforehand and read).
 Registers bound them too (each row's tiles live in them): the forward keeps no parameter
 tile resident (query, norm weight and null are re-read from L1). `python -m
 kernels.compile_report` prints registers and spills per kernel for sm_90 without a GPU.
@@ -128,6 +130,29 @@ def _param(PTR, cols, mask):
 
 
 @triton.jit
+def _row_rstd(RSTD, row, M, EVEN: tl.constexpr):
+    """A source's 1 / rms for one row, computed beforehand (_source_rstd_kernel)."""
+    if EVEN:
+        return tl.load(RSTD + row)
+    return tl.load(RSTD + row, mask=row < M, other=1.0)
+
+
+@triton.jit
+def _source_rstd_kernel(SRC, RSTD, M, eps, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """1 / rms of BLOCK_R rows of a source (fp32 sum of squares over the full width): computed
+    once for a source that many calls read, instead of by every call, in its row kernels, where
+    it is the one sum that crosses warps."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for c0 in tl.static_range(0, D, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = (rows < M)[:, None] & (cols < D)[None, :]
+        x = tl.load(SRC + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += x * x
+    tl.store(RSTD + rows, tl.rsqrt(tl.sum(acc, axis=1) / D + eps), mask=rows < M)
+
+
+@triton.jit
 def _null_logit(NULL, Q, G, cols, mask, D: tl.constexpr, eps, JOINT: tl.constexpr):
     """The null source's logit per head, the same for every row."""
     z = _param(NULL, cols, mask)
@@ -214,6 +239,7 @@ def _route_fwd_kernel(
 def _route_bwd_stats_kernel(
     DOUT,
     SRCS,
+    RSTDS,
     NULL,
     Q,
     G,
@@ -233,6 +259,7 @@ def _route_bwd_stats_kernel(
     ROWS: tl.constexpr,
     EVEN: tl.constexpr,
     JOINT: tl.constexpr,
+    KNOWN: tl.constexpr,
 ):
     # Per row and head, with c_n = <dout_h, s_n,h>, a_n = <(q g)_h, s_n,h>, w = softmax_n(a_n rstd_n)
     # (null: its own logit), dot = sum_n w_n c_n, dl_n = gate w_n (c_n - dot):
@@ -248,6 +275,8 @@ def _route_bwd_stats_kernel(
     # Per-source statistics are tuples of per-head vectors, which cost a register each.
     cols, mask = _row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
     hv = tl.arange(0, BLOCK_H)
+    nn = tl.arange(0, BLOCK_N)[None, :]
+    hw = hv[:, None]
     z_logit = _null_logit(NULL, Q, G, cols, mask, D, eps, JOINT)
     gate = tl.load(GATE).to(tl.float32)
     plane = NUM_SRC * M * H
@@ -280,8 +309,12 @@ def _route_bwd_stats_kernel(
             if i + 2 < NUM_SRC:
                 s_b = _load_raw(SRCS[i + 2] + base + cols, row_mask, EVEN)
             qg = _param(Q, cols, mask) * _param(G, cols, mask)
-            ss, sd, sq = _head_sums3(s * s, s * do, s * qg, JOINT)
-            rstd = tl.rsqrt(tl.sum(ss) / D + eps)
+            if (KNOWN >> i) & 1:
+                sd, sq = _head_sums2(s * do, s * qg, JOINT)
+                rstd = _row_rstd(RSTDS[i], row, M, EVEN)
+            else:
+                ss, sd, sq = _head_sums3(s * s, s * do, s * qg, JOINT)
+                rstd = tl.rsqrt(tl.sum(ss) / D + eps)
             lg = sq * rstd
             m_new = tl.maximum(m, lg)
             alpha = tl.exp(m - m_new)
@@ -301,14 +334,23 @@ def _route_bwd_stats_kernel(
         w0do += (gate * w0)[:, None, None] * do
         dl0 += gate * w0 * (c0 - dot)
         dgate += dot
-        valid = (hv < H) & (row < M)
+        # gathered into [heads, sources] tiles, one store each: a store goes through shared
+        # memory (Triton coalesces it), so one per coefficient, not one per source
+        a_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        b_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        c_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
         for i in tl.static_range(NUM_SRC):
             w = tl.exp(lgs[i] - m) * inv
             dl = gate * w * (cs[i] - dot)
-            offs = i * M * H + row * H + hv
-            tl.store(COEF + offs, gate * w, mask=valid)
-            tl.store(COEF + plane + offs, dl * rstds[i], mask=valid)
-            tl.store(COEF + 2 * plane + offs, dl * lgs[i] * (rstds[i] * rstds[i] / D), mask=valid)
+            sel = nn == i
+            a_t = tl.where(sel, (gate * w)[:, None], a_t)
+            b_t = tl.where(sel, (dl * rstds[i])[:, None], b_t)
+            c_t = tl.where(sel, (dl * lgs[i] * (rstds[i] * rstds[i] / D))[:, None], c_t)
+        offs = nn * (M * H) + row * H + hw
+        valid = (nn < NUM_SRC) & (hw < H) & (row < M)
+        tl.store(COEF + offs, a_t, mask=valid)
+        tl.store(COEF + plane + offs, b_t, mask=valid)
+        tl.store(COEF + 2 * plane + offs, c_t, mask=valid)
     T_PART, W0DO_PART, DL0_PART, DGATE_PART = _partials(PARTS, tl.num_programs(0), D, H)
     part = pid.to(tl.int64) * D + cols
     _store(T_PART + part, t, mask, EVEN)
@@ -534,9 +576,13 @@ FWD = {
     7: {"rows": 1, "warps_per_4096": 8, "maxnreg": None},
     8: {"rows": 2, "warps_per_4096": 8, "maxnreg": None},
 }
-STATS = {n: {"rows": 32, "warps_per_4096": 8, "maxnreg": 128 if n <= 3 else None} for n in FWD}
+# given_rstd: read a marked source's rstd (computed once, _source_rstd) instead of computing it
+STATS = {
+    n: {"rows": 32, "warps_per_4096": 8, "maxnreg": 128 if n <= 3 else None, "given_rstd": n not in (5, 6)} for n in FWD
+}
 MIX = {"block_m": 32, "block_kc": 64, "warps": 4, "calls": 4}  # calls: most calls one pass serves
 NORM = {"block_m": 32, "block_d": 128, "warps": 4}
+RSTD = {"block_r": 4, "block_c": 1024, "warps": 4}
 FINISH = {"block_c": 32, "block_p": 256, "warps": 8}  # columns per program, partials per step
 
 
@@ -601,6 +647,7 @@ _launch_fwd = _Launcher(_route_fwd_kernel)
 _launch_stats = _Launcher(_route_bwd_stats_kernel)
 _launch_mix = _Launcher(_route_bwd_mix_kernel)
 _launch_norm = _Launcher(_route_bwd_norm_kernel)
+_launch_rstd = _Launcher(_source_rstd_kernel)
 _launch_finish = _Launcher(_route_bwd_finish_kernel)
 
 
@@ -622,10 +669,19 @@ def _head_chunks(k: int, itemsize: int) -> dict[str, int]:
 
 @functools.cache
 def _row_launch(
-    m: int, d: int, num_heads: int, num_sources: int, itemsize: int, rows: int, warps_per_4096: int, joint: bool = True
+    m: int,
+    d: int,
+    num_heads: int,
+    num_sources: int,
+    itemsize: int,
+    rows: int,
+    warps_per_4096: int,
+    joint: bool = True,
+    known: int | None = None,
 ) -> tuple:
     """(grid, num_warps, constexprs) of a row kernel over itemsize-byte elements; cached per
-    shape, since computing it costs more Python time per call than launching the kernel."""
+    shape, since computing it costs more Python time per call than launching the kernel.
+    `known`, for the stats kernel: bit i set if source i's rstd is given (RSTDS[i])."""
     k = d // num_heads
     exact = m % rows == 0 and _pow2(num_heads) == num_heads and _pow2(k) == k
     consts = {
@@ -639,6 +695,7 @@ def _row_launch(
         "ROWS": rows,
         "EVEN": exact,
         "JOINT": joint,
+        **({} if known is None else {"KNOWN": known}),
     }
     warps = max(1, min(16, _pow2(_cdiv(d * warps_per_4096, 4096))))
     return (_cdiv(m, rows),), warps, consts
@@ -725,6 +782,31 @@ def _check_inputs(x: torch.Tensor, sources: Sequence[torch.Tensor]) -> None:
         raise ValueError(f"backend='triton' routes over 1..{MAX_SOURCES} sources, got {len(sources)}")
 
 
+def _known_rstds(rstds: Sequence[torch.Tensor | None], n: int, spare: torch.Tensor) -> tuple[int, tuple]:
+    """The row kernels' KNOWN bits and RSTDS pointers; `spare` stands in where none is given."""
+    rstds = tuple(rstds) or (None,) * n
+    known = sum(1 << i for i, r in enumerate(rstds) if r is not None)
+    return known, tuple(spare if r is None else r for r in rstds)
+
+
+def _source_rstd(source: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / rms per row of a source, fp32 [rows]."""
+    src = source.contiguous()
+    d = src.shape[-1]
+    m = src.numel() // d
+    rstd = _empty((m,), device=src.device, dtype=torch.float32)
+    block_r = _cpu_rows(m) if _interpreting() else RSTD["block_r"]
+    block_c = min(_pow2(d), RSTD["block_c"])
+    consts = _rstd_consts(d, block_r, block_c)
+    _launch_rstd((_cdiv(m, block_r),), RSTD["warps"], consts, src, rstd, m, eps)
+    return rstd
+
+
+@functools.cache
+def _rstd_consts(d: int, block_r: int, block_c: int) -> dict:
+    return {"D": d, "BLOCK_R": block_r, "BLOCK_C": block_c}
+
+
 def _forward(
     x: torch.Tensor,
     sources: Sequence[torch.Tensor],
@@ -770,6 +852,7 @@ def _stats(
     gate: torch.Tensor,
     num_heads: int,
     eps: float,
+    rstds: Sequence[torch.Tensor | None] = (),
 ) -> tuple[_MixCall, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One call's backward up to its sources' gradients: the stats and finishing kernels give
     the site's parameter gradients and the coefficients the mix kernel turns into the sources'."""
@@ -783,15 +866,18 @@ def _stats(
     interp = _interpreting()
     launch = STATS[n]
     rows = _cpu_rows(m) if interp else launch["rows"]
-    grid, warps, consts = _row_launch(
-        m, d, num_heads, n, dout.element_size(), rows, launch["warps_per_4096"], not interp
-    )
-    parts = grid[0]
+    parts = _cdiv(m, rows)
     # One allocation: the coefficients [3, N, m, H], then the per-program partials.
     coef_size = 3 * n * m * num_heads
     work = _empty((coef_size + parts * (2 * d + num_heads + 1),), device=dout.device, dtype=torch.float32)
+    known, rstd_ptrs = _known_rstds(rstds if launch["given_rstd"] else (), n, work)
+    grid, warps, consts = _row_launch(
+        m, d, num_heads, n, dout.element_size(), rows, launch["warps_per_4096"], not interp, known
+    )
     cap = None if interp else launch["maxnreg"]
-    _launch_stats(grid, warps, consts, dout, srcs, z, q, g, gate, work, work[coef_size:], m, eps, maxnreg=cap)
+    _launch_stats(
+        grid, warps, consts, dout, srcs, rstd_ptrs, z, q, g, gate, work, work[coef_size:], m, eps, maxnreg=cap
+    )
     dz, dq, dg, dgate = (_empty_like(t) for t in (z, q, g, gate))
     grid, warps, consts = _finish_launch(
         d, num_heads, z.element_size(), parts, FINISH["block_c"], FINISH["block_p"], FINISH["warps"]
@@ -950,16 +1036,25 @@ def _unpack_inputs(ctx) -> tuple[torch.Tensor, ...]:
 
 
 class _GradSlot:
-    """The gradient of one routing source, summed in place by the routing calls that read it:
-    `grad` without the norm term, whose per-row coefficient the calls sum in `csum`; `pending`,
-    the group of calls whose mix pass has not run yet."""
+    """What the routing calls that read one source share: its gradient, summed in place
+    (`grad` without the norm term, whose per-row coefficient the calls sum in `csum`;
+    `pending`, the group of calls whose mix pass has not run yet), and its 1 / rms per row,
+    computed by the first call that reads it and again if the source changes."""
 
-    __slots__ = ("grad", "csum", "pending")
+    __slots__ = ("grad", "csum", "pending", "rstd", "rstd_key")
 
     def __init__(self) -> None:
         self.grad: torch.Tensor | None = None
         self.csum: torch.Tensor | None = None
         self.pending: _MixGroup | None = None
+        self.rstd: torch.Tensor | None = None  # the source's 1 / rms per row, for every call
+        self.rstd_key: tuple | None = None  # (eps, the source's version) it was computed for
+
+    def source_rstd(self, source: torch.Tensor, eps: float) -> torch.Tensor:
+        key = (eps, source._version)
+        if self.rstd_key != key:
+            self.rstd, self.rstd_key = _source_rstd(source, eps), key
+        return self.rstd
 
 
 class _MixGroup:
@@ -1051,15 +1146,17 @@ class _Route(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, null, query, norm_weight, gate, num_heads, eps, *sources):
+        ctx.slots = _grad_slots(sources)
         out, weights = _forward(x, sources, null, query, norm_weight, gate, num_heads, eps)
-        ctx.num_heads, ctx.eps = num_heads, eps
+        # a marked source's rstd, for the stats kernel: computed by the first call that reads it
+        rstds = [None if slot is None else slot.source_rstd(s, eps) for s, slot in zip(sources, ctx.slots, strict=True)]
+        ctx.num_heads, ctx.eps, ctx.rstds = num_heads, eps, rstds
         # The backward needs the inputs only. Kept on ctx rather than saved with
         # save_for_backward, so an activation checkpoint around the call has no saved
         # tensor to unpack and never re-runs the forward; the version check that
         # save_for_backward would do is done in backward.
         ctx.inputs = (null, query, norm_weight, gate, *sources)
         ctx.versions = [t._version for t in ctx.inputs]
-        ctx.slots = _grad_slots(sources)
         ctx.mark_non_differentiable(weights)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for the weights
         return out, weights
@@ -1069,7 +1166,10 @@ class _Route(torch.autograd.Function):
         null, query, norm_weight, gate, *sources = _unpack_inputs(ctx)
         if grad_out is None:  # the output did not reach the loss
             return (None,) * (7 + len(sources))
-        call, dz, dq, dg, dgate = _stats(grad_out, sources, null, query, norm_weight, gate, ctx.num_heads, ctx.eps)
+        rstds, ctx.rstds = ctx.rstds, None
+        call, dz, dq, dg, dgate = _stats(
+            grad_out, sources, null, query, norm_weight, gate, ctx.num_heads, ctx.eps, rstds
+        )
         # A shared source's gradient goes to its slot (None to autograd), the others to autograd.
         if all(slot is not None for slot in ctx.slots):
             _mix_shared(call, sources, ctx.slots, ctx.num_heads)

@@ -54,16 +54,20 @@ def run(backend, leaves, S, H, grad_out):
 NAMES = ["out", "weights", "x"] + [f"source{i}" for i in range(8)]
 
 
+PARAMS = ("null", "query", "norm_weight", "gate")
+
+
 def names(S):
     return NAMES[:3] + NAMES[3 : 3 + S] + ["null", "query", "norm_weight", "gate"]
 
 
 def condition_scales(leaves, S, H, grad_out, eps=1e-5):
-    """Float64 scales for the parameter gradients: each is a sum over rows, sources and the
-    softmax's (c - dot) difference, all of which cancel, so it is only as exact as the
-    magnitudes of its terms. This is the backward of DESIGN.md's formulas with every
-    product and sum taken in absolute value; errors of these gradients are measured
-    against it instead of against the (possibly tiny) result."""
+    """Float64 scales for the parameter and source gradients: each is a sum (over rows, sources,
+    the softmax's (c - dot) difference, or a source gradient's three terms) whose terms can
+    cancel, so it is only as exact as their magnitudes. This is the backward of DESIGN.md's
+    formulas with every product and sum taken in absolute value; errors of these gradients
+    are measured against it instead of against the (possibly much smaller) result: where a
+    source's gradient cancels, the torch backend's own fp32 error exceeds 1e-5 of it."""
     x, *rest = [t.detach().double() for t in leaves]
     sources, (z, q, g, gate) = rest[:S], rest[S:]
     K = x.shape[-1] // H
@@ -78,11 +82,17 @@ def condition_scales(leaves, S, H, grad_out, eps=1e-5):
     t = (dl.unsqueeze(-1) * rstd.unsqueeze(-1) * sh.abs()).sum(dim=(0, 1, 2)).flatten()  # over sources and rows
     dz_mix = gate.abs() * (w[0].unsqueeze(-1) * do).sum(dim=(0, 1)).flatten()
     dz_norm = rstd[0, 0, 0] * (q * g).abs() * dl[0].sum(dim=(0, 1)).repeat_interleave(K)
+    # a source's gradient, A dout + B (q g) - C s (routing_triton's stats kernel), term by term
+    qg = (q * g).abs().view(H, K)
+    a = (sh.abs() * qg).sum(-1)  # |<(q g)_h, s_n,h>| bound
+    coupling = rstd**3 * (dl * a).sum(-1, keepdim=True) / x.shape[-1]  # [N, B, T, 1]
+    ds = (gate.abs() * w).unsqueeze(-1) * do + (rstd * dl).unsqueeze(-1) * qg + coupling.unsqueeze(-1) * sh.abs()
     return {
         "null": (dz_mix + 2 * dz_norm).max().item(),
         "query": (t * g.abs()).max().item(),
         "norm_weight": (t * q.abs()).max().item(),
         "gate": (w * c).sum().item(),
+        **{f"source{i}": ds[1 + i].max().item() for i in range(S)},
     }
 
 
@@ -128,7 +138,7 @@ def test_bf16_error_is_no_larger_than_torch_backends(H, d, S, T, poisoned):
         if name == "weights":
             # fp32 outputs from bf16-exact inputs: both within fp32 rounding of the truth
             assert max(err_torch, err_triton) <= 64 * torch.finfo(torch.float32).eps, name
-        elif name in scales:
+        elif name in PARAMS:
             # A sum over rows, rounded to bf16 once: no worse than torch's, or within that
             # rounding (half an ulp of the result) plus fp32 summation error on the terms' scale.
             bound = (2.0**-9 * t.abs().max().item() + 1e-5 * scales[name]) * t.numel() ** 0.5 / t.norm().item()
@@ -191,30 +201,75 @@ def chain(leaves, S, H, calls, backend, share, extra_consumer=False):
     return torch.autograd.grad(loss, leaves)
 
 
-@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("group", [2, 4])
 def test_shared_source_gradients_are_summed_in_place_in_fp32(group, poisoned, monkeypatch):
     """Shared sources gather their gradient in one buffer, up to `group` calls per mix pass
     (the chain has runs of 1 and 2 calls over the same sources, and a checkpoint around every
-    other call), with the norm term applied once at the end. The same terms as autograd's sum
-    of per-call gradients, added in another order: each source element is a sum of three terms
-    per call, and either path rounds once per call's addition, so they differ by at most
-    2 * calls fp32 roundings of the largest element (a lost or doubled call: about 1 / calls).
-    The parameters' gradients come from the same kernels either way: equal."""
-    monkeypatch.setitem(rt.MIX, "calls", group)
+    other call), their norm term applied once at the end.
+    - Against one call per pass: the parameters' gradients come from the same kernels, equal;
+      each source element adds three terms per call in another grouping, so the two differ by
+      at most 2 * calls fp32 roundings of the largest element (a lost or doubled call: about
+      1 / calls).
+    - Against unmarked sources, which autograd sums call by call and whose norms every call
+      computes itself: within the fp32 bound the op meets against the torch backend (1e-5 of
+      the largest element)."""
     S, H, calls = 4, 8, 6
     bound = 2 * calls * torch.finfo(torch.float32).eps
     leaves = site(H, 40, S, 3, torch.float32)
     for extra_consumer in (False, True):  # another reader of a source, whose gradient autograd adds
         separate = chain(leaves, S, H, calls, "triton", share=False, extra_consumer=extra_consumer)
+        monkeypatch.setitem(rt.MIX, "calls", 1)
+        single = chain(leaves, S, H, calls, "triton", share=True, extra_consumer=extra_consumer)
+        monkeypatch.setitem(rt.MIX, "calls", group)
         shared = chain(leaves, S, H, calls, "triton", share=True, extra_consumer=extra_consumer)
         again = chain(leaves, S, H, calls, "triton", share=True, extra_consumer=extra_consumer)
-        for name, a, b, c in zip(["x", *names(S)[3:]], separate, shared, again, strict=True):
-            assert not torch.isnan(b).any(), f"{name}: unwritten elements"
-            assert torch.equal(b, c), f"{name}: two runs differ"
-            if not name.startswith("source"):
-                assert torch.equal(a, b), name
-            err = ((b - a).abs().max() / a.abs().max()).item()
-            assert err <= bound, f"group {group} {name}: {err:.2e}"
+        for name, a, b, c, d in zip(["x", *names(S)[3:]], separate, single, shared, again, strict=True):
+            assert not torch.isnan(c).any(), f"{name}: unwritten elements"
+            assert torch.equal(c, d), f"{name}: two runs differ"
+            if name.startswith("source"):
+                err = ((c - b).abs().max() / b.abs().max()).item()
+                assert err <= bound, f"group {group} {name}: {err:.2e}"
+                err = ((c - a).abs().max() / a.abs().max()).item()
+                assert err <= 1e-5, f"group {group} {name} against unmarked: {err:.2e}"
+            else:
+                assert torch.equal(b, c), name
+
+
+@pytest.mark.parametrize("H,d,S,T", SHAPES[::3])
+def test_marked_sources_match_torch_backend_in_fp32(H, d, S, T, poisoned):
+    """Marked sources (routing_source) take the other path through the kernels: their norms
+    computed once beforehand, their gradients summed in place with the norm term applied at
+    the end. The same bound as unmarked ones against the torch backend."""
+    leaves = site(H, d, S, T, torch.float32)
+    grad_out = torch.randn_like(leaves[0])
+    ref = run("torch", leaves, S, H, grad_out)
+    x, sources, rest = leaves[0], leaves[1 : 1 + S], leaves[1 + S :]
+    marked = [routing_source(s, "triton") for s in sources]
+    out, weights = mhar_route_with_weights(x, marked, *rest, num_heads=H, eps=1e-5, backend="triton")
+    got = [out, weights, *torch.autograd.grad(out, leaves, grad_out)]
+    scales = condition_scales(leaves, S, H, grad_out)
+    for name, r, a in zip(names(S), ref, got, strict=True):
+        assert not torch.isnan(a).any(), f"{name}: unwritten elements"
+        err = (a.double() - r.double()).abs().max().item() / scale_of(name, r, scales)
+        assert err <= 1e-5, f"{(H, d, S, T)} {name}: {err:.2e}"
+
+
+def test_marked_source_changed_in_place_is_not_routed_with_a_stale_norm():
+    """A marked source's norm is computed once for all the calls that read it. Changing the
+    source in place afterwards and routing the marked tensor again is refused (by autograd's
+    view check; the op would recompute the norm for the new version anyway)."""
+    H = 8
+    x, s, *params = site(H, 40, 1, 3, torch.float32)
+    marked = routing_source(s, "triton")
+
+    def out(srcs):
+        return mhar_route_with_weights(x, srcs, *params, num_heads=H, eps=1e-5, backend="triton")[0]
+
+    out([marked])
+    with torch.no_grad():
+        s.mul_(3.0)
+    with pytest.raises(RuntimeError, match="modified inplace"):
+        out([marked])
 
 
 def test_shared_source_gradients_in_bf16_differ_by_rounding_only():
