@@ -253,7 +253,7 @@ def tune(args, bw: float) -> None:
     for n in (2, 8) if "bwd" in kernels else ():
         srcs = [torch.randn_like(x) for _ in range(n)]
         for rows, warps, maxnreg in itertools.product((16, 32, 64), (8, 16), (None, 128)):
-            rt.STATS[n] = {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg}
+            rt.STATS[n] = dict(defaults["STATS"][n], rows=rows, warps_per_4096=warps, maxnreg=maxnreg)
             bwd(srcs, f"stats rows {rows}, {warps} warps, registers <= {maxnreg or 'any'}")
         rt.STATS[n] = defaults["STATS"][n]
         for block_m, block_kc, warps in [(16, 64, 4), (32, 64, 4), (16, 128, 4), (32, 128, 8)]:
