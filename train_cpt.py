@@ -2,13 +2,37 @@
 
 Runs torchtitan's trainer with this project's train spec and config sections,
 on GPUs or, when the host has none, on CPU processes over gloo.
+
+Under torchrun the worker first arms a parent-death signal (mhar_titan/lifetime.py), so a
+SIGKILLed agent takes its workers with it. That module is loaded by path, before torch:
+importing the `mhar_titan` package would take seconds (it registers the train spec).
 """
 
-import sys
+import os
 
-from torch.distributed.elastic.multiprocessing.errors import record
+_PARENT_AT_START = os.getppid()  # first: the torchrun agent that started us, if it still lives
 
-from mhar_titan.trainer import run
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+def _arm_parent_death_signal() -> None:
+    """Die with the torchrun agent (SIGKILL included); exit now if it is already gone."""
+    spec = importlib.util.spec_from_file_location(
+        "mhar_titan_lifetime_early", Path(__file__).resolve().parent / "mhar_titan" / "lifetime.py"
+    )
+    lifetime = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lifetime)
+    if lifetime.started_by_torchelastic():
+        lifetime.die_with_parent(_PARENT_AT_START)
+
+
+_arm_parent_death_signal()
+
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+
+from mhar_titan.trainer import run  # noqa: E402
 
 
 @record

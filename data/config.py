@@ -26,6 +26,10 @@ class DataConfig:
     """Named validation shards (instead of, or besides, the held-out fraction)."""
     tokenize_batch: int = 256
     """Documents tokenised per call."""
+    max_document_tokens: int = 0
+    """Documents longer than this many tokens are cut to it (before their end-of-text token), counted
+    (truncated_docs, truncated_tokens) and logged, naming shard and row (the first 10 in a process,
+    then the 100th, 1000th, ...); 0: no cap. Uncapped, a long document costs nothing extra per batch."""
     check_shards: bool = True
     """Read every shard's footer at start-up, on every rank: a bad shard then stops all ranks at
     once (or is skipped everywhere) instead of one rank failing mid-run while the others wait."""
@@ -35,5 +39,7 @@ class DataConfig:
             raise ValueError(f"[data] on_bad_shard = {self.on_bad_shard!r} must be 'error' or 'skip'")
         if self.num_streams <= 0:
             raise ValueError(f"[data] num_streams = {self.num_streams} must be positive")
+        if self.max_document_tokens < 0:
+            raise ValueError(f"[data] max_document_tokens = {self.max_document_tokens} must be >= 0 (0: no cap)")
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ValueError(f"[data] validation_fraction = {self.validation_fraction} must be in [0, 1)")

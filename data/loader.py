@@ -3,16 +3,19 @@
 Each data-parallel rank owns the logical streams s with s % dp_world == dp_rank
 and takes its k-th batch from its (k mod n)-th stream, k counting batches from
 the start of the run. Loader workers split a rank's streams, and every batch
-carries its stream's state, so the main process always knows the exact state
-of each stream after the last batch it delivered: the checkpointed state is the
-same with 0 or 8 workers, and a run may resume on another number of ranks (each
+carries a copy of its stream's state, so the main process always knows the exact
+state of each stream after the last batch it delivered: the checkpointed state is
+the same with 0 or 8 workers, and a run may resume on another number of ranks (each
 stream, keyed by its id, continues exactly).
+
+The checkpointed states are JSON strings, one per stream, checked key by key on
+loading: a checkpoint holds data, never code to run.
 """
 
 from __future__ import annotations
 
 import copy
-import pickle
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,10 +27,10 @@ from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 from torchtitan.config import JobConfig
 
 from data.config import DataConfig
-from data.shards import check_shards, held_out, list_shards
-from data.stream import PackedStream, new_state
+from data.shards import NoDataError, Scan, check_shards, held_out, list_shards, name_paths
+from data.stream import COUNTERS, PackedStream, new_state, state_from_json, state_to_json
 
-COUNTERS = ("docs", "skipped_docs", "skipped_shards", "held_out_docs")
+logger = logging.getLogger(__name__)
 
 
 class Encoder:
@@ -81,7 +84,7 @@ class _RankStreams(IterableDataset):
             sid = self.local[k % n]
             stream = streams[sid]
             inputs, labels = stream.next_batch(self.batch, self.seq_len)
-            yield {"input": inputs, "labels": labels, "stream": sid, "state": pickle.dumps(stream.state)}
+            yield {"input": inputs, "labels": labels, "stream": sid, "state": stream.snapshot()}
             k += workers
 
 
@@ -123,20 +126,29 @@ class ParquetDataLoader(BaseDataLoader):
             prefetch_factor=2 if self.num_workers else None,
         )
         for item in loader:
-            self.states[item["stream"]] = pickle.loads(item["state"])
+            self.states[item["stream"]] = item["state"]
             self.batches += 1
             yield {"input": item["input"]}, item["labels"]
 
     def state_dict(self) -> dict[str, Any]:
-        # One entry per stream, keyed by its id: any number of ranks can load them back.
+        """{"batches": int, "stream_00000": JSON str, ...}: one entry per stream, keyed by its id, so
+        any number of ranks can load them back; each a few hundred bytes whatever the documents."""
         state: dict[str, Any] = {"batches": self.batches}
-        state.update({f"stream_{s:05d}": pickle.dumps(self.states[s]) for s in self.local})
+        state.update({f"stream_{s:05d}": state_to_json(self.states[s]) for s in self.local})
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.batches = int(state_dict["batches"])
+        """Only JSON states are accepted (never unpickled); a ValueError names the key that is wrong."""
+        batches = state_dict.get("batches")
+        if type(batches) is not int or batches < 0:
+            raise ValueError(f"dataloader.batches: {batches!r} is not a non-negative integer")
+        states = {}
         for s in self.local:
-            self.states[s] = pickle.loads(state_dict[f"stream_{s:05d}"])
+            key = f"stream_{s:05d}"
+            if key not in state_dict:
+                raise ValueError(f"dataloader.{key}: missing from the checkpoint (was num_streams changed?)")
+            states[s] = state_from_json(f"dataloader.{key}", state_dict[key])
+        self.batches, self.states = batches, states
 
     def counters(self) -> dict[str, int]:
         """This rank's cumulative document counters and tokens per source."""
@@ -160,17 +172,37 @@ class ValidationLoader:
         named = list_shards(cfg.validation_paths) if cfg.validation_paths else []
         if not named and cfg.validation_fraction <= 0:
             raise ValueError("[data] no validation set: set validation_paths or validation_fraction")
-        source = named or shards
-        self.shards = source[dp_rank::dp_world]
+        self.source = named or shards
+        self.shards = self.source[dp_rank::dp_world]
         self.keep = (lambda text: True) if named else _HeldOutKeep(cfg.validation_fraction)
         self.cfg, self.encode, self.seq_len, self.batch = cfg, encode, seq_len, batch
 
+    def _stream(self, shards: list[str]) -> PackedStream:
+        return PackedStream(0, shards, self.cfg, self.encode, self.encode.eos_id, keep=self.keep, validation=True)
+
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        stream = PackedStream(
-            0, self.shards, self.cfg, self.encode, self.encode.eos_id, keep=self.keep, validation=True
-        )
+        stream = self._stream(self.shards)
+        yielded = False
         while (batch := stream.next_batch(self.batch, self.seq_len)) is not None:
+            yielded = True
             yield {"input": batch[0]}, batch[1]
+        if not yielded:
+            self._no_window(stream.seen)
+
+    def _no_window(self, seen: Scan) -> None:
+        """This rank's share yields no complete window. If the whole set yields none either (the same
+        answer on every rank, so every rank raises), a NoDataError names it; else this rank has
+        nothing, which the validator reports on every rank at once."""
+        if self.shards != self.source:
+            whole = self._stream(self.source)
+            if whole.next_batch(self.batch, self.seq_len) is not None:
+                logger.warning(f"[data] validation: {name_paths(self.shards)} yield no window on this rank")
+                return
+            seen = whole.seen  # no window: the whole set was read
+        raise NoDataError(
+            f"[data] no validation data: {name_paths(self.source)} yield no complete window of "
+            f"{self.batch} x {self.seq_len + 1} tokens ({seen.describe('left to training')})"
+        )
 
 
 def data_config(job_config: JobConfig) -> DataConfig:

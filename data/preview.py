@@ -10,9 +10,10 @@ import json
 import sys
 
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.config import JobConfig
 
 from data.loader import Encoder, ParquetDataLoader, data_config
-from data.shards import check_shards, list_shards
+from data.shards import BadShardError, NoDataError, check_shards, list_shards
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,6 +27,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="token ids as JSON lines instead of text")
     args, overrides = parser.parse_known_args(argv)
     job = parse_config(["--job.config_file", args.config, *overrides])
+    try:
+        show(job, args)
+    except (NoDataError, BadShardError) as e:  # the message names the shards: no traceback needed
+        sys.exit(f"data.preview: {type(e).__name__}: {e}")
+
+
+def show(job: JobConfig, args: argparse.Namespace) -> None:
     cfg = data_config(job)
     shards = check_shards(list_shards(cfg.paths, cfg.manifest), cfg.text_column, cfg.source_column, cfg.on_bad_shard)
     tokenizer = HuggingFaceTokenizer(job.model.hf_assets_path)

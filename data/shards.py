@@ -1,13 +1,19 @@
 """Parquet shards through fsspec: listing, schema checks, one row group at a time.
 
 Only the text (and source) columns are read, and a row group at a time, so a
-shard is never held in memory whole.
+shard is never held in memory whole. Text columns may be any Arrow string type
+(string, large_string, string_view, dictionary-encoded strings) or of type null
+(every document missing); their bytes are checked to be UTF-8, since a parquet
+writer may store them unvalidated.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import fsspec
@@ -19,6 +25,17 @@ logger = logging.getLogger(__name__)
 
 class BadShardError(ValueError):
     """A shard that cannot be used; the message names the file (and the row where there is one)."""
+
+
+class NoDataError(ValueError):
+    """Shards that yield no token (or no complete window): the message names them and what they held."""
+
+
+def name_paths(paths: list[str], first: int = 4) -> str:
+    """The paths for a message: all of them if few, else their count and the first few."""
+    if len(paths) <= first:
+        return ", ".join(paths) or "(no shards)"
+    return f"{len(paths)} shards ({', '.join(paths[:first])}, ...)"
 
 
 def list_shards(paths: list[str], manifest: str = "") -> list[str]:
@@ -41,6 +58,18 @@ def list_shards(paths: list[str], manifest: str = "") -> list[str]:
     return shards
 
 
+def is_text_type(kind: pa.DataType) -> bool:
+    """Arrow types read as text: every string type, dictionary-encoded strings, and null (all missing)."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_string_view(kind)
+        or pa.types.is_null(kind)
+    )
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     path: str
@@ -51,22 +80,23 @@ def shard_info(path: str, text_column: str, source_column: str = "") -> ShardInf
     """Row-group sizes after checking the schema; a BadShardError names the file and what is wrong."""
     try:
         with fsspec.open(path, "rb") as f:
-            meta = pq.ParquetFile(f).metadata
-            schema = meta.schema.to_arrow_schema()
+            parquet = pq.ParquetFile(f)
+            meta, schema = parquet.metadata, parquet.schema_arrow
     except Exception as e:  # pyarrow raises several types for unreadable files
         raise BadShardError(f"{path}: unreadable parquet ({type(e).__name__}: {e})") from e
     for column in filter(None, (text_column, source_column)):
         if column not in schema.names:
             raise BadShardError(f"{path}: no column {column!r} (columns: {', '.join(schema.names)})")
         kind = schema.field(column).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        if not is_text_type(kind):
             raise BadShardError(f"{path}: column {column!r} holds {kind}, not strings (row 0 on)")
     return ShardInfo(path, tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups)))
 
 
 def check_shards(shards: list[str], text_column: str, source_column: str, on_bad_shard: str) -> list[str]:
-    """The usable shards, after reading every footer (in parallel); bad ones raise or are dropped and logged."""
-    from concurrent.futures import ThreadPoolExecutor
+    """The usable shards, after reading every footer (in parallel); bad ones raise or are dropped and logged.
+
+    Skipping every shard is an error (NoDataError naming them), not a run over nothing."""
 
     def check(path: str) -> BadShardError | None:
         try:
@@ -82,9 +112,23 @@ def check_shards(shards: list[str], text_column: str, source_column: str, on_bad
         raise bad[0][1]
     for _, err in bad:
         logger.warning(f"[data] skipping shard: {err}")
+    if bad and len(bad) == len(shards):
+        raise NoDataError(f"[data] every shard is unusable, none left: {name_paths(shards)} (first: {bad[0][1]})")
     if bad:
         logger.warning(f"[data] skipped {len(bad)} of {len(shards)} shards at start-up")
     return [path for path, err in zip(shards, problems, strict=True) if err is None]
+
+
+def _texts(table: pa.Table, column: str, path: str, index: int) -> list[str | None]:
+    """A text column as Python strings, whatever its Arrow string type; invalid UTF-8 is a BadShardError."""
+    values = table.column(column).cast(pa.large_string()).combine_chunks()
+    try:
+        values.validate(full=True)
+    except pa.ArrowInvalid as e:
+        where = re.search(r"string index (\d+)", str(e))
+        row = f", row {where.group(1)}" if where else ""
+        raise BadShardError(f"{path}: row group {index}{row}: column {column!r} is not valid UTF-8 ({e})") from e
+    return values.to_pylist()
 
 
 def read_row_group(
@@ -97,8 +141,8 @@ def read_row_group(
             table = pq.ParquetFile(f).read_row_group(index, columns=columns)
     except Exception as e:
         raise BadShardError(f"{path}: row group {index} unreadable ({type(e).__name__}: {e})") from e
-    texts = table.column(text_column).to_pylist()
-    sources = table.column(source_column).to_pylist() if source_column else [None] * len(texts)
+    texts = _texts(table, text_column, path, index)
+    sources = _texts(table, source_column, path, index) if source_column else [None] * len(texts)
     return texts, sources
 
 
@@ -108,3 +152,46 @@ def held_out(text: str, fraction: float) -> bool:
         return False
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64 < fraction
+
+
+@dataclass
+class Scan:
+    """What a pass over shards found: rows read, documents empty or null, held out, shards skipped."""
+
+    rows: int = 0
+    documents: int = 0
+    empty: int = 0
+    held_out: int = 0
+    skipped_shards: int = 0
+
+    def describe(self, excluded: str = "held out for validation") -> str:
+        return (
+            f"{self.rows} rows: {self.empty} documents empty or null, {self.held_out} {excluded} "
+            f"(validation_fraction), {self.documents} kept; {self.skipped_shards} shards skipped as bad"
+        )
+
+
+def find_documents(
+    shards: list[str], text_column: str, keep: Callable[[str], bool], on_bad_shard: str, stop_at_first: bool = True
+) -> Scan:
+    """Read the shards' text (no tokenising) until a kept, non-empty document; counts what was passed."""
+    scan = Scan()
+    for path in shards:
+        try:
+            for index in range(len(shard_info(path, text_column).row_groups)):
+                for text in read_row_group(path, index, text_column)[0]:
+                    scan.rows += 1
+                    if not text:
+                        scan.empty += 1
+                    elif not keep(text):
+                        scan.held_out += 1
+                    else:
+                        scan.documents += 1
+                        if stop_at_first:
+                            return scan
+        except BadShardError as e:
+            if on_bad_shard != "skip":
+                raise
+            logger.warning(f"[data] skipping shard: {e}")
+            scan.skipped_shards += 1
+    return scan

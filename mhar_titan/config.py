@@ -93,6 +93,9 @@ class Checkpoint:
 
     keep_every: int = 0
     """Besides the last keep_latest_k, keep every checkpoint whose step is a multiple of this (0: none)."""
+    allow_changes: list[str] = field(default_factory=list)
+    """Fingerprint groups a resume may change on purpose: base, data, schedule (logged and recorded in
+    fingerprint.json). Empty: a resume whose settings differ from the run's is refused."""
 
 
 @dataclass

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -36,6 +35,7 @@ from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 
 from mhar_titan.config import MHAR
+from mhar_titan.hf_files import chmod_like_mkdir, llama3_rope_scaling, safetensors_header
 from mhar_titan.model import MHARModelArgs, MHARTransformer, build_initialised
 
 ROUTING_PARAMS = ("query", "norm_weight", "null", "gate")
@@ -107,16 +107,12 @@ def model_args_from_hf_config(config: dict[str, Any], source: str = "config.json
     if config.get("head_dim", dim // n_heads) != dim // n_heads or dim % n_heads:
         raise refuse("head_dim", f"must be hidden_size / num_attention_heads = {dim / n_heads}")
 
-    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope_field = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    rope = config.get(rope_field) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     if rope_type == "llama3":
-        scaling = RoPEScalingArgs(
-            scaling_factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
+        scaling = llama3_rope_scaling(rope, source, rope_field)
     elif rope_type == "default":
         scaling = RoPEScalingArgs(scaling_factor=1.0)  # llama3 scaling with factor 1 is the identity
     else:
@@ -196,15 +192,6 @@ def read_json(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def _safetensors_header(path: str) -> dict[str, Any]:
-    """Tensor names, dtypes and shapes from a safetensors file's header, without its data."""
-    with fsspec.open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
-    return header
-
-
 def checkpoint_files(path: str) -> dict[str, str]:
     """{HF key: shard file} of a checkpoint directory (sharded with an index, or one file)."""
     fs, root = fsspec.core.url_to_fs(path)
@@ -214,7 +201,7 @@ def checkpoint_files(path: str) -> dict[str, str]:
         return {k: _join(path, v) for k, v in weight_map.items()}
     single = _join(path, "model.safetensors")
     if fs.exists(_join(root, "model.safetensors")):
-        return {k: single for k in _safetensors_header(single)}
+        return {k: single for k in safetensors_header(single)}
     raise FileNotFoundError(f"{path}: no model.safetensors.index.json or model.safetensors")
 
 
@@ -258,7 +245,7 @@ def build_ledger(path: str, expected: dict[str, torch.Size], adapter: MHARStateD
     config_dtype = read_json(_join(path, "config.json")).get("torch_dtype")
     headers: dict[str, dict[str, Any]] = {}
     for shard in sorted(set(checkpoint_files(path).values())):
-        headers.update(_safetensors_header(shard))
+        headers.update(safetensors_header(shard))
     seen: set[str] = set()
     for hf_key, info in sorted(headers.items()):
         try:
@@ -386,6 +373,7 @@ def export_hf(
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
+        chmod_like_mkdir(tmp)  # mkdtemp makes it 0700
         _write_shards(hf_state, tmp, max_shard_bytes)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)

@@ -43,7 +43,19 @@ def build_lr_schedulers(
 ) -> LRSchedulersContainer:
     """The `TrainSpec` LR builder: warmup_steps, total_steps (the decay end), decay_ratio, decay_type,
     min_lr_factor of `[lr_scheduler]`."""
+    # Settings that could only make a run that does nothing, or climbs the loss, silently.
+    if training_steps <= 0:
+        raise ValueError(f"[training] steps = {training_steps} must be positive")
+    if lr_config.total_steps is not None and lr_config.total_steps <= 0:
+        raise ValueError(f"[lr_scheduler] total_steps = {lr_config.total_steps} must be positive (or unset)")
+    if not 0 <= lr_config.min_lr_factor <= 1:
+        raise ValueError(f"[lr_scheduler] min_lr_factor = {lr_config.min_lr_factor} must be in [0, 1]")
     decay_end = lr_config.total_steps if lr_config.total_steps is not None else training_steps
+    if lr_config.min_lr_factor == 0 and training_steps > decay_end:
+        raise ValueError(
+            f"[training] steps = {training_steps} > [lr_scheduler] total_steps = {decay_end} with min_lr_factor = 0: "
+            f"steps {decay_end + 1} to {training_steps} would train at lr 0"
+        )
     warmup = lr_config.warmup_steps
     if warmup < 0:
         raise ValueError(f"[lr_scheduler] warmup_steps = {warmup} must be >= 0")

@@ -7,6 +7,7 @@ checkpointing or compile wrappers do not matter.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -94,6 +95,8 @@ def build_optimizers(
     cfg = optimizer_config
     if cfg.name not in _OPTIMIZERS:
         raise ValueError(f"[optimizer] name = {cfg.name!r}: expected one of {', '.join(_OPTIMIZERS)}")
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):  # lr = 0 would train nothing, silently
+        raise ValueError(f"[optimizer] lr = {cfg.lr} must be a positive finite number")
     if cfg.early_step_in_backward:
         raise ValueError("[optimizer] early_step_in_backward is not supported with parameter groups")
     kwargs = {

@@ -21,8 +21,8 @@ from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enabl
 from torchtitan.train import Trainer
 
 from data.loader import gather_counters
-from mhar_titan import cpu
-from mhar_titan.checkpoint import CPTCheckpointManager
+from mhar_titan import cpu, fingerprint
+from mhar_titan.checkpoint import CPTCheckpointManager, complete_steps
 from mhar_titan.ema import WeightEMA
 from mhar_titan.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch
 from mhar_titan.routing_stats import gather_routing_stats
@@ -50,29 +50,77 @@ class CPTTrainer(Trainer):
             self.checkpointer.states[EMA_STATE] = self.ema
         self.bad_steps_in_a_row = 0
         self.skipped_steps = 0
+        self.tokens_seen = 0  # all ranks' tokens
         self.clock = StepClock()
         self.preemption = PreemptionWatch(job_config.job.dump_folder)
         self.stop_reason: str | None = None
         if torch.distributed.get_rank() == 0:
             self.preemption.clear_stale_marker()
-        self._write_model_args()
+        # Every rank counts the tokens of all ranks: each takes local_batch_size x seq_len per microbatch.
+        self.dp_degree = self._batch_mesh().size() if self.parallel_dims.dp_enabled else 1
+        t = job_config.training
+        global_batch = t.local_batch_size * self.dp_degree * self.gradient_accumulation_steps
+        self.fingerprint = fingerprint.fingerprint(job_config, self.model_args, self.dataloader.shards, global_batch)
 
-    def _write_model_args(self) -> None:
-        """The architecture and [mhar] settings beside the checkpoints, so tools can rebuild the model."""
+    # -- which run this job continues ---------------------------------------------------------
+
+    def _check_run(self) -> list[str]:
+        """Before any load: the run in dump_folder must be the one this job describes. Returns the lines
+        of the changes [checkpoint] allow_changes permits; raises listing every other difference."""
+        cfg = self.job_config
+        folder = cfg.job.dump_folder
+        steps = complete_steps(self.checkpointer.folder)
+        if not steps:
+            return []
+        if not cfg.checkpoint.enable:
+            raise ValueError(
+                f"{folder} holds checkpoints of a run (steps {steps[0]}..{steps[-1]}); with checkpoint.enable = false "
+                "this job would start from the base and mix its logs and recorded settings with that run's: "
+                "use another dump_folder, or enable checkpointing to resume it"
+            )
+        recorded = fingerprint.read(folder)
+        if recorded is None:
+            recorded = self._legacy_fingerprint(folder)
+        if recorded is None:
+            logger.warning(f"{folder}: no recorded fingerprint (a run from before fingerprints); recording this job's")
+            return []
+        return fingerprint.check(recorded, self.fingerprint, cfg.checkpoint.allow_changes, f"The run in {folder}")
+
+    def _legacy_fingerprint(self, folder: str) -> dict[str, Any] | None:
+        """A run from before fingerprints still has its architecture in model_args.json: compare that."""
+        path = os.path.join(folder, MODEL_ARGS_FILE)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            args = json.load(f)["args"]
+        return {**self.fingerprint, "model": fingerprint.model_group(args)}
+
+    def _record_run(self, changes: list[str]) -> None:
+        """After the load was checked: the fingerprint, and the architecture for tools (hf export)."""
+        if changes:
+            allowed = self.job_config.checkpoint.allow_changes
+            logger.warning(
+                f"resuming with changes allowed by checkpoint.allow_changes = {allowed}:"
+                + "".join(f"\n  {line}" for line in changes)
+            )
         if torch.distributed.get_rank() != 0:
             return
-        os.makedirs(self.job_config.job.dump_folder, exist_ok=True)
-        path = os.path.join(self.job_config.job.dump_folder, MODEL_ARGS_FILE)
+        folder = self.job_config.job.dump_folder
+        fingerprint.record(folder, self.fingerprint, self.step, changes)
+        path = os.path.join(folder, MODEL_ARGS_FILE)
         info = {"hf_assets_path": self.job_config.model.hf_assets_path, "args": dataclasses.asdict(self.model_args)}
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             json.dump(info, f, indent=2)
+        os.replace(path + ".tmp", path)
 
     # -- the loop -----------------------------------------------------------------------------
 
     @record
     def train(self) -> None:
         cfg = self.job_config
+        changes = self._check_run()
         self.checkpointer.load(step=cfg.checkpoint.load_step)
+        self._record_run(changes)
         if self.ema is not None:
             self.ema.start()  # after the load: a restored EMA stays, otherwise it starts from the loaded weights
         logger.info(f"Training starts at step {self.step + 1}")
@@ -121,6 +169,12 @@ class CPTTrainer(Trainer):
         logger.info("Training completed")
 
     def _stop_for_requeue(self, reason: str) -> None:
+        if not self.job_config.checkpoint.enable:
+            # A requeued job would start over from the base: stop without asking for a requeue.
+            raise RuntimeError(
+                f"step {self.step}: asked to stop ({reason}); checkpointing is off, so nothing was saved and "
+                "the job is not requeued (it would start over from step 0)"
+            )
         self.checkpointer.save_now(self.step)
         if torch.distributed.get_rank() == 0:
             self.preemption.mark(self.step, reason)
@@ -133,6 +187,7 @@ class CPTTrainer(Trainer):
         self.optimizers.zero_grad()
         batch_from = self.dataloader.batches
         microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
+        self.tokens_seen += sum(labels.numel() for _, labels in microbatches) * self.dp_degree
         local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches).to(self.device)
         dp = self.parallel_dims.dp_enabled
         global_tokens = dist_utils.dist_sum(local_tokens, self._batch_mesh()) if dp else local_tokens.float()
@@ -207,21 +262,22 @@ class CPTTrainer(Trainer):
             return
         metrics = {f"data/{k}": v for k, v in gather_counters(self.dataloader).items()}
         loss_max = loss * global_tokens / local_tokens  # this rank's own mean
-        seen = torch.tensor(float(self.ntokens_seen), dtype=torch.float64, device=loss.device)
-        sums = torch.cat([torch.stack([loss.double(), seen]), parts.double() if parts is not None else seen[:0]])
+        sums = loss.double().reshape(1)
+        if parts is not None:
+            sums = torch.cat([sums, parts.double()])
         loss_max = loss_max.double()
         if self.parallel_dims.dp_enabled:
             group = self._batch_mesh().get_group()
             torch.distributed.all_reduce(sums, group=group)
             torch.distributed.all_reduce(loss_max, op=torch.distributed.ReduceOp.MAX, group=group)
-        loss_v, tokens_seen, *part_sums = sums.tolist()
+        loss_v, *part_sums = sums.tolist()
         loss_max_v = loss_max.item()
         metrics.update(
             {
                 "train/loss": loss_v,
                 "train/loss_max": loss_max_v,
                 "grad_norm": float(grad_norm),
-                "tokens_seen": tokens_seen,
+                "tokens_seen": self.tokens_seen,
                 "train/skipped_steps": self.skipped_steps,
             }
         )
@@ -281,10 +337,12 @@ class CPTTrainer(Trainer):
     # -- checkpointed trainer state -------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "skipped_steps": self.skipped_steps}
+        # ntokens_seen: all ranks' tokens (torchtitan keeps one rank's), so it survives a change of rank count.
+        return {"step": self.step, "ntokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        self.tokens_seen = int(state_dict["ntokens_seen"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
 
@@ -295,6 +353,8 @@ def parse_config(argv: list[str]) -> JobConfig:
     config = ConfigManager().parse_args(argv)
     if config.model.name != MODEL_NAME:
         raise ValueError(f"[model] name = {config.model.name!r}: train_cpt.py trains {MODEL_NAME!r}")
+    if not config.training.max_norm > 0:  # clipping to 0 zeroes every gradient: a run that does not train
+        raise ValueError(f"[training] max_norm = {config.training.max_norm} must be > 0 (inf: no clipping)")
     return config
 
 

@@ -1,6 +1,10 @@
 """HF checkpoints in and out, against transformers' LlamaForCausalLM as the oracle."""
 
 import json
+import os
+import re
+import stat
+import struct
 
 import pytest
 import torch
@@ -8,7 +12,8 @@ from conftest import REPO
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mhar_titan.hf import export_hf, inspect, load_hf_model, model_args_from_hf_config, read_json
+from mhar_titan.hf import export_hf, init_hf, inspect, load_hf_model, model_args_from_hf_config, read_json
+from mhar_titan.hf_files import SAFETENSORS_MAX_HEADER
 
 VOCAB = 128
 
@@ -251,3 +256,85 @@ def test_hf_smoke_writes_loads_both_arms_and_finds_identical_logits(capsys):
     assert result["logits_identical"] is True and result["max_abs_diff"] == 0.0
     tiny = FLAVORS["tiny"]
     assert result["mhar_parameters"] - result["control_parameters"] == 2 * tiny.n_layers * (3 * tiny.dim + 1)
+
+
+@pytest.fixture
+def bad_header_dir(tmp_path):
+    """A checkpoint directory whose single model.safetensors is written by the test."""
+    path = tmp_path / "bad"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(hf_config().to_dict()))
+    return path
+
+
+def _framed(header: bytes) -> bytes:
+    return struct.pack("<Q", len(header)) + header
+
+
+@pytest.mark.parametrize(
+    "content,words",
+    [
+        (b"\x10\x00", r"not a safetensors file: 2 bytes, shorter than the 8-byte header length"),
+        (
+            struct.pack("<Q", 2**62) + b"{}",
+            r"corrupt safetensors header: length 4611686018427387904 bytes, but the file has 2 after",
+        ),
+        (
+            struct.pack("<Q", 1000) + b'{"a": 1}',
+            r"corrupt safetensors header: length 1000 bytes, but the file has 8 after",
+        ),
+        (_framed(b'{"w": {"dtype": "F32", "shape": [1], '), r"corrupt safetensors header: not JSON"),
+        (_framed(b"\xff\xfe\x00{"), r"corrupt safetensors header: not JSON"),
+        (_framed(b"[1, 2]"), r"corrupt safetensors header: JSON list, expected an object"),
+        (_framed(b'{"w": 3}'), r"corrupt safetensors header: tensor 'w' has no dtype and shape: 3"),
+    ],
+    ids=["truncated", "huge-length", "length-past-the-end", "garbage-json", "not-utf8", "json-list", "bad-entry"],
+)
+def test_corrupt_safetensors_headers_are_refused_naming_the_file(bad_header_dir, content, words):
+    shard = bad_header_dir / "model.safetensors"
+    shard.write_bytes(content)
+    with pytest.raises(ValueError, match=re.escape(str(shard)) + ": " + words):
+        load_hf_model(str(bad_header_dir))
+
+
+def test_safetensors_header_longer_than_the_format_allows_is_refused_unread(bad_header_dir):
+    shard = bad_header_dir / "model.safetensors"
+    with open(shard, "wb") as f:
+        f.write(struct.pack("<Q", SAFETENSORS_MAX_HEADER + 1))
+        f.truncate(SAFETENSORS_MAX_HEADER + 100)  # sparse: nothing is written or read
+    with pytest.raises(
+        ValueError, match=rf"length {SAFETENSORS_MAX_HEADER + 1} bytes, .* at most {SAFETENSORS_MAX_HEADER}"
+    ):
+        inspect(str(bad_header_dir))
+
+
+@pytest.mark.parametrize("field_name", ["rope_scaling", "rope_parameters"])
+@pytest.mark.parametrize("key", ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"])
+def test_llama3_rope_without_a_field_is_refused_by_name(field_name, key):
+    cfg = hf_config().to_dict()
+    rope = cfg.pop("rope_parameters")
+    del rope[key]
+    cfg[field_name] = rope
+    want = (
+        f"config.json: {field_name}.{key} is missing (rope type llama3 needs factor, low_freq_factor, "
+        "high_freq_factor, original_max_position_embeddings)"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(want)}$"):
+        model_args_from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_export_and_init_folders_get_the_mode_mkdir_would_give(hf_dir, tmp_path, mask):
+    path, _ = hf_dir
+    model = load_hf_model(str(path))
+    old = os.umask(mask)
+    try:
+        export_hf(model, str(tmp_path / "export"), base_path=str(path), dtype=torch.float32)
+        init_hf(str(tmp_path / "init"), "tiny")
+        (tmp_path / "plain").mkdir()
+    finally:
+        os.umask(old)
+    want = 0o777 & ~mask
+    assert stat.S_IMODE((tmp_path / "plain").stat().st_mode) == want
+    assert stat.S_IMODE((tmp_path / "export").stat().st_mode) == want
+    assert stat.S_IMODE((tmp_path / "init").stat().st_mode) == want

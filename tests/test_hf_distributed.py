@@ -54,16 +54,23 @@ def first_step_loss(path) -> float:
     return total / count
 
 
+def from_base(base) -> list[str]:
+    """One step from the HF base; its loss is then the base model's cross-entropy (no z-loss), and its
+    update leaves every weight as loaded (the re-warmup's first LR is exactly 0)."""
+    overrides = ["--model.flavor", "hf", "--model.hf_assets_path", str(base)]
+    overrides += ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(base)]
+    overrides += ["--training.steps", "1", "--training.seq_len", str(SEQ)]
+    overrides += ["--training.local_batch_size", str(BATCH), "--mhar.num_heads", "4", "--mhar.num_blocks", "2"]
+    return [*overrides, "--loss.z_loss", "0"]
+
+
 @pytest.mark.parametrize("arm", ["control", "mhar"])
 def test_distributed_hf_load_ledger_loss_and_export(base, tmp_path, arm):
     run = tmp_path / arm
     config = "configs/tiny_cpu.toml" if arm == "control" else "configs/tiny_cpu_mhar.toml"
-    overrides = ["--model.flavor", "hf", "--model.hf_assets_path", str(base)]
-    overrides += ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(base)]
-    overrides += ["--training.steps", "1", "--optimizer.lr", "0", "--training.seq_len", str(SEQ)]
-    overrides += ["--training.local_batch_size", str(BATCH), "--mhar.num_heads", "4", "--mhar.num_blocks", "2"]
-    overrides += ["--loss.z_loss", "0"]  # the first-step loss is then the base model's cross-entropy
-    torchrun(run, *overrides, config=config)
+    proc = torchrun(run, *from_base(base), config=config)
+    log = proc.stdout + proc.stderr
+    assert f"The run starts from the base {base} (HF safetensors) at step 0" in log
 
     ledger = json.loads((run / "load_ledger.json").read_text())
     assert not ledger["missing"] and not ledger["unused"] and not ledger["mismatched"]
@@ -73,7 +80,7 @@ def test_distributed_hf_load_ledger_loss_and_export(base, tmp_path, arm):
     loss = read_scalars(run)[1]
     assert loss == pytest.approx(first_step_loss(base), rel=1e-5)
 
-    # lr 0: the step leaves every weight as loaded, so the export must give back the base exactly;
+    # LR 0 at step 1: the step leaves every weight as loaded, so the export must give back the base exactly;
     # so must the EMA's, which starts from the weights loaded from HF (not from the random init).
     want = {}
     for shard in base.glob("*.safetensors"):
@@ -95,3 +102,12 @@ def test_distributed_hf_load_ledger_loss_and_export(base, tmp_path, arm):
                 got[key], torch.ones_like(got[key]) if key.endswith("norm_weight") else torch.zeros_like(got[key])
             )
     assert (out / "tokenizer.json").exists()
+
+
+def test_the_base_is_loaded_with_periodic_checkpoints_off(base, tmp_path):
+    run = tmp_path / "run"
+    proc = torchrun(run, *from_base(base), "--checkpoint.no-enable")
+    log = proc.stdout + proc.stderr
+    assert f"The run starts from the base {base} (HF safetensors) at step 0" in log
+    assert read_scalars(run)[1] == pytest.approx(first_step_loss(base), rel=1e-5)
+    assert not (run / "checkpoint").exists()

@@ -108,3 +108,47 @@ def test_z_loss_is_the_coefficient_times_mean_squared_logsumexp():
     assert ce == pytest.approx(want_ce.item(), rel=1e-5) and total.item() == pytest.approx(ce + z, rel=1e-6)
     assert loss_fn.take_parts() is None  # parts are taken once per step
     assert torch.equal(ZLossCrossEntropy(0.0)(logits, labels), cross_entropy_loss(logits, labels))
+
+
+@pytest.mark.parametrize("lr", [0.0, -1e-4, math.nan, math.inf])
+def test_optimizer_refuses_an_lr_that_cannot_train(lr):
+    with pytest.raises(ValueError, match=rf"^\[optimizer\] lr = {lr} must be a positive finite number$"):
+        build_optimizers([torch.nn.Linear(4, 4)], OptimizerConfig(lr=lr, implementation="for-loop"), None)
+
+
+def test_optimizer_keeps_frozen_routing():
+    # [mhar] lr_multiplier = 0 is legitimate (frozen routing): the routing group trains at lr 0.
+    args = copy.deepcopy(FLAVORS["tiny"])
+    args.mhar = MHAR(enable=True, num_heads=4, num_blocks=2, lr_multiplier=0.0)
+    with torch.device("meta"):
+        model = MHARTransformer(args)
+    opt = build_optimizers([model], OptimizerConfig(lr=PEAK, implementation="for-loop"), None)
+    lrs = {g["name"]: g["lr"] for g in opt.optimizers[0].param_groups}
+    assert lrs == {"decay": PEAK, "no_decay": PEAK, "routing": 0.0}
+
+
+@pytest.mark.parametrize(
+    "training_steps,settings,message",
+    [
+        (0, {}, r"^\[training\] steps = 0 must be positive$"),
+        (-3, {}, r"^\[training\] steps = -3 must be positive$"),
+        (20, {"total_steps": 0}, r"^\[lr_scheduler\] total_steps = 0 must be positive \(or unset\)$"),
+        (20, {"min_lr_factor": -0.1}, r"^\[lr_scheduler\] min_lr_factor = -0.1 must be in \[0, 1\]$"),
+        (20, {"min_lr_factor": math.nan}, r"^\[lr_scheduler\] min_lr_factor = nan must be in \[0, 1\]$"),
+        (20, {"min_lr_factor": 1.5}, r"^\[lr_scheduler\] min_lr_factor = 1.5 must be in \[0, 1\]$"),
+        (
+            END + 1,
+            {"min_lr_factor": 0.0},
+            rf"^\[training\] steps = {END + 1} > \[lr_scheduler\] total_steps = {END} with min_lr_factor = 0: "
+            rf"steps {END + 1} to {END + 1} would train at lr 0$",
+        ),
+    ],
+    ids=["steps-0", "steps-negative", "total-steps-0", "min-negative", "min-nan", "min-above-1", "lr-0-after-end"],
+)
+def test_schedule_refuses_settings_that_train_nothing(training_steps, settings, message):
+    opt = build_optimizers([torch.nn.Linear(4, 4)], OptimizerConfig(lr=PEAK, implementation="for-loop"), None)
+    cfg = LRScheduler(**{"warmup_steps": WARMUP, "total_steps": END, "min_lr_factor": MIN, **settings})
+    with pytest.raises(ValueError, match=message):
+        build_lr_schedulers(opt, cfg, training_steps)
+    # the same schedule decaying to 0 exactly at the end of the run is fine
+    build_lr_schedulers(opt, LRScheduler(warmup_steps=WARMUP, total_steps=END, min_lr_factor=0.0), END)

@@ -1,8 +1,11 @@
 """2-rank FSDP2 training through train_cpt.py on CPU, checkpoint, and exact resume: after a clean
-stop, a SIGKILL, a SIGTERM to the launcher (checkpoint, requeue code) and a corrupt newest checkpoint."""
+stop, a SIGKILL, a SIGTERM to the launcher (checkpoint, requeue code), a flipped bit in the newest
+checkpoint and on another number of ranks; crafted checkpoints and other architectures refused."""
 
 import json
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, torchrun
+import torch.distributed.checkpoint as dcp
+from conftest import REPO, process_tree, torchrun
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from mhar_titan.hf import load_run_checkpoint
 from mhar_titan.tensorboard_scalars import LOSS_TAG, read_scalars
@@ -64,45 +69,89 @@ def test_resume_reproduces_uninterrupted_run(straight, tmp_path):
     assert min(losses.values()) < losses[1] - 1.0, losses
 
 
-def test_resume_on_another_number_of_ranks_continues_every_data_stream(tmp_path):
-    import pickle
-
-    import torch.distributed.checkpoint as dcp
-
+def test_resume_on_another_number_of_ranks_continues_every_data_stream_and_count(straight, tmp_path):
     run = tmp_path / "run"
     torchrun(run, "--training.steps", "4", *SCHEDULE)  # 2 ranks, 2 streams each
-    proc = torchrun(run, "--training.steps", "6", *SCHEDULE, nproc=1)  # 1 rank, all 4 streams
+    # 1 rank, all 4 streams, the same global batch (2 microbatches of 4 sequences a step)
+    proc = torchrun(run, "--training.steps", "6", *SCHEDULE, "--training.global_batch_size", "8", nproc=1)
     assert "Training starts at step 5" in proc.stdout + proc.stderr
     assert list(read_scalars(run)) == [1, 2, 3, 4, 5, 6]
+    want = read_scalars(straight, "tokens_seen")
+    assert read_scalars(run, "tokens_seen") == {s: want[s] for s in range(1, 7)}
 
     def streams(step):
-        keys = {f"dataloader.stream_{s:05d}": None for s in range(4)} | {"dataloader.batches": None}
+        keys = {"dataloader": {f"stream_{s:05d}": "" for s in range(4)} | {"batches": 0}}
         dcp.load(keys, checkpoint_id=str(run / "checkpoint" / f"step-{step}"), no_dist=True)
-        return keys["dataloader.batches"], {k: pickle.loads(v) for k, v in keys.items() if "stream" in k}
+        loader = keys["dataloader"]
+        return loader["batches"], {k: json.loads(v) for k, v in loader.items() if k.startswith("stream")}
 
     batches4, at4 = streams(4)
     batches6, at6 = streams(6)
-    assert (batches4, batches6) == (4, 6)
-    # steps 5 and 6 on one rank took batches 4 and 5: streams 0 and 1, one batch each
-    assert [at6[k]["batches"] - at4[k]["batches"] for k in sorted(at4)] == [1, 1, 0, 0]
+    assert (batches4, batches6) == (4, 8)
+    # steps 5 and 6 on one rank took batches 4 to 7: streams 0, 1, 2 and 3, one batch each
+    assert [at6[k]["batches"] - at4[k]["batches"] for k in sorted(at4)] == [1, 1, 1, 1]
 
 
-def process_tree(pid: int) -> list[int]:
-    """pid and its descendants (torchrun starts each worker in a session of its own)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    return tree
+class Payload:
+    """Unpickling this runs a shell command that creates `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_crafted_checkpoint_entries_run_no_code_and_every_rank_falls_back_together(straight, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    everything = tmp_path / "step-8.pt"
+    dcp_to_torch_save(str(run / "checkpoint" / "step-8"), str(everything))
+    state = torch.load(everything, weights_only=False)
+    marker = tmp_path / "payload-ran"
+    # step 12: a pickle that runs a command, which DCP's own planner would unpickle
+    state["dataloader"]["stream_00000"] = Payload(marker)
+    dcp.save(state, checkpoint_id=str(run / "checkpoint" / "step-12"), no_dist=True)
+    # step 16: a stream state pickled into bytes (an older mhar-titan's format), which only rank 0 reads
+    state["dataloader"]["stream_00000"] = pickle.dumps(Payload(marker))
+    dcp.save(state, checkpoint_id=str(run / "checkpoint" / "step-16"), no_dist=True)
+    assert not marker.exists()
+
+    dcp.load({"dataloader": {"stream_00000": ""}}, checkpoint_id=str(run / "checkpoint" / "step-12"), no_dist=True)
+    assert marker.exists()  # the payload is real: DCP's default planner runs it
+    marker.unlink()
+
+    proc = torchrun(run, "--training.steps", "8", *SCHEDULE, *VALIDATE)
+    log = proc.stdout + proc.stderr
+    assert not marker.exists()
+    assert "dataloader.stream_00000: not a JSON stream state (bytes" in log and "falling back to step 12" in log
+    assert "'dataloader.stream_00000' is not plain data" in log and "falling back to step 8" in log
+    assert "Training starts at step 9" in log
+    assert "files have no recorded checksum" in log  # written by a tool, not by a run
+
+
+def test_resume_with_another_architecture_is_refused_before_anything_is_rewritten(straight, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    recorded = {name: (run / name).read_bytes() for name in ("model_args.json", "fingerprint.json")}
+    args = ("--training.steps", "8", *SCHEDULE, *VALIDATE)
+
+    proc = torchrun(run, *args, config="configs/tiny_cpu_mhar.toml", check=False)  # control run, MHAR job
+    assert proc.returncode != 0
+    assert "model.mhar.enable: false in the run, true now" in proc.stdout + proc.stderr
+
+    # The other direction: an MHAR run (2 blocks, 8 heads; its fingerprint says so) resumed as the control
+    fingerprint = json.loads(recorded["fingerprint.json"])
+    fingerprint["model"]["mhar"] = {"enable": True, "num_heads": 8, "num_blocks": 2}
+    (run / "fingerprint.json").write_text(json.dumps(fingerprint))
+    proc = torchrun(run, *args, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "model.mhar.enable: true in the run, false now" in log
+    assert "the architecture ([model], [mhar]) of a run cannot change" in log
+    assert (run / "model_args.json").read_bytes() == recorded["model_args.json"]
+    assert json.loads((run / "fingerprint.json").read_text()) == fingerprint
+    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-4", "step-8"]
 
 
 def launch_until(run: Path, pattern: str | None, action) -> tuple[int, str]:
@@ -147,12 +196,16 @@ def test_killed_preempted_and_corrupted_runs_resume_to_the_same_losses(straight,
     assert stop in (6, 7) and (ckpt / f"step-{stop}" / ".metadata").is_file()
     assert not (run / "STOP").exists()
 
-    # 3. The newest checkpoint is damaged (a truncated shard): the restart falls back and says so.
-    for shard in (ckpt / f"step-{stop}").glob("*.distcp"):
-        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 3])
+    # 3. The newest checkpoint is damaged: 4 low bits flipped in one byte of a shard, which DCP
+    #    alone would load. Its checksum gives it away; the restart falls back and says so.
+    shard = sorted((ckpt / f"step-{stop}").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x0F
+    shard.write_bytes(bytes(data))
     previous = max(int(p.name[5:]) for p in ckpt.glob("step-*") if int(p.name[5:]) < stop)
     rc, log = launch_until(run, None, None)
     assert rc == 0, log[-3000:]
+    assert f"DamagedCheckpoint: 1 damaged files: {shard}: xxh3_128" in log
     assert f"falling back to step {previous}" in log
     assert f"Training starts at step {previous + 1}" in log
 
