@@ -374,6 +374,7 @@ def run(argv: list[str], trainer_cls: type[CPTTrainer] = CPTTrainer) -> None:
                 raise ValueError("checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
             if trainer.ema is not None:
                 trainer.ema.start()
+            trainer._record_run(trainer._check_run())
             trainer.checkpointer.save(curr_step=0, last_step=True)
             logger.info("Created seed checkpoint")
         else:

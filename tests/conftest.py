@@ -22,6 +22,7 @@ def torchrun(
     script: str = "train_cpt.py",
     env: dict[str, str] | None = None,
     check: bool = True,
+    timeout: int = 600,
 ):
     """Run `script` (train_cpt.py) under torchrun on `nproc` local processes; fail with its output."""
     cmd = [
@@ -38,7 +39,7 @@ def torchrun(
         *overrides,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, torchrun
 from test_data import BATCH, ENCODE, SEQ, WORDS, by_stream, cfg_for, flat, loader, stream_docs, take, take_until
 
 from data.config import DataConfig
@@ -239,6 +239,14 @@ def test_a_validation_set_without_a_window_is_an_error_on_every_rank(tmp_path, l
     for rank in range(2):
         with pytest.raises(NoDataError, match=r"tiny.parquet, .*zz.parquet yield no complete window"):
             list(ValidationLoader(cfg, [], ENCODE, SEQ, BATCH, rank, 2))
+
+
+def test_training_on_an_empty_corpus_stops_on_every_rank_naming_it(tmp_path):
+    folder = empty_corpus(tmp_path / "nothing")
+    proc = torchrun(tmp_path / "run", "--data.paths", str(folder), "--training.steps", "2", check=False, timeout=120)
+    assert proc.returncode != 0
+    log = proc.stdout + proc.stderr
+    assert "NoDataError" in log and f"{folder / 'empty-0.parquet'}" in log
 
 
 def test_preview_of_an_empty_corpus_exits_with_an_error_naming_it(tmp_path):

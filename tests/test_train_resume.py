@@ -153,6 +153,15 @@ def test_resume_with_another_architecture_is_refused_before_anything_is_rewritte
     assert json.loads((run / "fingerprint.json").read_text()) == fingerprint
     assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-4", "step-8"]
 
+    # A deliberate schedule change, allowed: resumed, logged, and kept in the fingerprint's history.
+    (run / "fingerprint.json").write_bytes(recorded["fingerprint.json"])
+    longer = ("--lr_scheduler.total_steps", "12", *SCHEDULE[2:])
+    proc = torchrun(run, "--training.steps", "8", *longer, *VALIDATE, "--checkpoint.allow_changes", "schedule")
+    log = proc.stdout + proc.stderr
+    assert "The run resumes from its checkpoint" in log and "schedule.decay_end: 8 in the run, 12 now" in log
+    history = json.loads((run / "fingerprint.json").read_text())["history"]
+    assert [(h["step"], h["changes"]) for h in history] == [(8, ["schedule.decay_end: 8 in the run, 12 now"])]
+
 
 def launch_until(run: Path, pattern: str | None, action) -> tuple[int, str]:
     """launch/torchrun.sh on 2 ranks; when a line contains `pattern`, call action(launcher pid)."""
