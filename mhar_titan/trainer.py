@@ -105,9 +105,12 @@ class CPTTrainer(Trainer):
             )
         if torch.distributed.get_rank() != 0:
             return
-        folder = self.job_config.job.dump_folder
-        fingerprint.record(folder, self.fingerprint, self.step, changes)
-        path = os.path.join(folder, MODEL_ARGS_FILE)
+        fingerprint.record(self.job_config.job.dump_folder, self.fingerprint, self.step, changes)
+        self._write_model_args()
+
+    def _write_model_args(self) -> None:
+        """Rank 0: the architecture and [mhar] settings beside the checkpoints, for the tools (hf export)."""
+        path = os.path.join(self.job_config.job.dump_folder, MODEL_ARGS_FILE)
         info = {"hf_assets_path": self.job_config.model.hf_assets_path, "args": dataclasses.asdict(self.model_args)}
         with open(path + ".tmp", "w") as f:
             json.dump(info, f, indent=2)
@@ -374,8 +377,10 @@ def run(argv: list[str], trainer_cls: type[CPTTrainer] = CPTTrainer) -> None:
                 raise ValueError("checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
             if trainer.ema is not None:
                 trainer.ema.start()
-            trainer._record_run(trainer._check_run())
             trainer.checkpointer.save(curr_step=0, last_step=True)
+            # A seed is weights to start from, not a run: no fingerprint; the job that trains it records one
+            # (and compares its architecture with this).
+            trainer._write_model_args()
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
