@@ -358,6 +358,14 @@ def parse_config(argv: list[str]) -> JobConfig:
         raise ValueError(f"[model] name = {config.model.name!r}: train_cpt.py trains {MODEL_NAME!r}")
     if not config.training.max_norm > 0:  # clipping to 0 zeroes every gradient: a run that does not train
         raise ValueError(f"[training] max_norm = {config.training.max_norm} must be > 0 (inf: no clipping)")
+    if config.checkpoint.last_save_in_hf:
+        # torchtitan's writer keys shards by the base's index (no routing tensors: the MHAR arm fails at its
+        # last step) and writes no config.json or tokenizer files (the control's folder is not loadable).
+        raise ValueError(
+            "[checkpoint] last_save_in_hf is not supported: it would write safetensors without config.json, "
+            "tokenizer files or (MHAR arm) the routing tensors. Keep the last checkpoint and export it: "
+            "python -m mhar_titan.hf export RUN_DIR OUT_DIR [--ema] [--dtype bf16]"
+        )
     return config
 
 

@@ -151,3 +151,8 @@ def test_a_stop_request_with_checkpointing_off_is_not_a_requeue():
 def test_a_clipping_norm_that_zeroes_every_gradient_is_refused(max_norm):
     with pytest.raises(ValueError, match=r"\[training\] max_norm = .* must be > 0"):
         job("--training.max_norm", max_norm)
+
+
+def test_last_save_in_hf_is_refused_pointing_to_hf_export():
+    with pytest.raises(ValueError, match=r"last_save_in_hf is not supported.*python -m mhar_titan.hf export RUN_DIR"):
+        job("--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only")
