@@ -4,7 +4,9 @@ MHAR's figure of merit is the per-step loss difference to the control: near 1e-5
 below the batch-to-batch noise. Two loss curves side by side cannot show that, and nobody reports paired deltas
 with their uncertainty, so this aligns the arms step by step, writes the deltas as a TensorBoard run next to
 them, sets the training delta against the control's noise and gives validation deltas a paired 95% CI over the
-same batches. It also checks that both arms really saw the same LR schedule and tokens.
+same batches. It also checks that both arms really saw the same LR schedule and tokens, and, from the step-0
+validation of the base (mhar_titan.compare_validation), that both started from the same model, and how far each
+arm has moved from it.
 
     python -m mhar_titan.compare runs/<pair> [--out DIR] [--control NAME] [--mhar NAME]
 """
@@ -23,59 +25,18 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch.utils.tensorboard import SummaryWriter
 
+from mhar_titan import compare_validation as cval
+from mhar_titan.compare_validation import paired_ci as paired_ci  # re-exported: mhar_titan.eval uses it
+from mhar_titan.compare_validation import t_quantile as t_quantile
 from mhar_titan.tensorboard_scalars import LOSS_TAG, load_scalars
 
 Series = dict[int, float]
 
 CE_TAG = "train/ce"
-VAL_TAGS = {"raw": "val/ce", "ema": "val/ce_ema"}
 CHECKED = ("lr/decay", "tokens_seen")
 HEAD_STEPS = 5  # steps listed one by one at the start
 WARMUP_LOGS = 5  # tokens/s log points left out of the median (compilation, caches)
 DELTA_RUN = "delta"
-
-
-def _t_central(t: float, df: int) -> float:
-    """P(|T| <= t) for Student's t with integer df (Abramowitz & Stegun 26.7.3/26.7.4, a finite sum)."""
-    theta = math.atan(t / math.sqrt(df))
-    c2 = math.cos(theta) ** 2
-    if df == 1:
-        return 2 * theta / math.pi
-    term = total = 1.0
-    if df % 2:
-        for k in range(1, (df - 1) // 2):
-            term *= 2 * k / (2 * k + 1) * c2
-            total += term
-        return 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * total)
-    for k in range(1, df // 2):
-        term *= (2 * k - 1) / (2 * k) * c2
-        total += term
-    return math.sin(theta) * total
-
-
-def t_quantile(p: float, df: int) -> float:
-    """Student-t quantile for 0.5 <= p < 1 and integer df >= 1; the project has no scipy."""
-    if not 0.5 <= p < 1 or df < 1:
-        raise ValueError(f"t_quantile needs 0.5 <= p < 1 and df >= 1, got p={p}, df={df}")
-    target, lo, hi = 2 * p - 1, 0.0, 1.0
-    while _t_central(hi, df) < target:
-        lo, hi = hi, 2 * hi
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _t_central(mid, df) < target else (lo, mid)
-        if hi - lo <= 1e-15 * hi:
-            break
-    return (lo + hi) / 2
-
-
-def paired_ci(diffs: list[float], level: float = 0.95) -> dict[str, float] | None:
-    """Mean of paired differences ± t_{(1+level)/2, n-1}·sd/√n; None with fewer than 2 pairs."""
-    n = len(diffs)
-    if n < 2:
-        return None
-    mean = statistics.fmean(diffs)
-    half = t_quantile(0.5 + level / 2, n - 1) * statistics.stdev(diffs) / math.sqrt(n)
-    return {"n": n, "mean": mean, "half_width": half, "low": mean - half, "high": mean + half}
 
 
 def batch_noise(losses: list[float]) -> float | None:
@@ -111,42 +72,6 @@ def _divergence(c: Series | None, m: Series | None, steps: list[int]) -> dict[st
         if a != b:
             return {"identical": False, "step": s, "control": a, "mhar": b}
     return {"identical": True}
-
-
-def _val_delta(c: dict | None, m: dict | None, c_tb: float | None, m_tb: float | None) -> dict[str, Any] | None:
-    """Δ val CE of one weight set at one step: per-batch files (with the paired CI) when both arms have them."""
-    if c is not None and m is not None:
-
-        def agg(b: dict) -> float:
-            return sum(b["ce_sum"]) / sum(b["tokens"])
-
-        out = {"delta": agg(m) - agg(c), "source": "batches", "n": len(c["tokens"]), "ci": None, "note": ""}
-        if c["tokens"] != m["tokens"]:
-            out["note"] = "per-batch token counts differ between the arms: not the same batches, no CI"
-            return out
-        diffs = [ms / t - cs / t for cs, ms, t in zip(c["ce_sum"], m["ce_sum"], c["tokens"], strict=True)]
-        out["ci"] = paired_ci(diffs)
-        if out["ci"] is None:
-            out["note"] = "fewer than 2 batches: no CI"
-        return out
-    if c_tb is not None and m_tb is not None:
-        return {"delta": m_tb - c_tb, "source": "tensorboard", "n": None, "ci": None, "note": "no per-batch files"}
-    return None
-
-
-def _validation(cs: dict, ms: dict, cv: dict, mv: dict) -> list[dict[str, Any]]:
-    steps = set(cv) & set(mv)
-    for tag in VAL_TAGS.values():
-        steps |= set(cs.get(tag, {})) & set(ms.get(tag, {}))
-    rows = []
-    for s in sorted(steps):
-        row: dict[str, Any] = {"step": s}
-        for kind, tag in VAL_TAGS.items():
-            row[kind] = _val_delta(
-                cv.get(s, {}).get(kind), mv.get(s, {}).get(kind), cs.get(tag, {}).get(s), ms.get(tag, {}).get(s)
-            )
-        rows.append(row)
-    return rows
 
 
 def _median_after_warmup(series: Series | None) -> float | None:
@@ -209,7 +134,9 @@ def compare(
         {"step": s, "control": c_loss[s], "mhar": m_loss[s], "delta": d, "ratio": ratio(abs(d))}
         for s, d in zip(steps[:HEAD_STEPS], deltas, strict=False)
     ]
-    val = _validation(cs, ms, cv, mv)
+    val = cval.validation(cs, ms, cv, mv)
+    base = cval.base_check(cs, ms, cv, mv)
+    changes = {"control": cval.from_base(cs, cv), "mhar": cval.from_base(ms, mv)}
 
     checks = {tag: _divergence(cs.get(tag), ms.get(tag), steps) for tag in CHECKED}
     data_tags = sorted(t for t in set(cs) | set(ms) if t == "data/docs" or t.startswith("data/tokens/"))
@@ -242,6 +169,11 @@ def compare(
             if with_ci:
                 delta_series[f"{tag}_ci_low"] = {s: ci["low"] for s, ci in with_ci}
                 delta_series[f"{tag}_ci_high"] = {s: ci["high"] for s, ci in with_ci}
+    for role, rows in changes.items():
+        for kind, tag in cval.VAL_TAGS.items():
+            points = {row["step"]: row[kind]["delta"] for row in rows if row[kind]}
+            if points:
+                delta_series[f"from_base/{role}/{tag.replace('/', '_')}"] = points
     delta_dir = pair / DELTA_RUN
     write_delta_run(delta_dir, delta_series)
 
@@ -259,6 +191,9 @@ def compare(
         "head": head,
         "quarters": quarters,
         "val": val,
+        "base": base,
+        "base_identical": base["identical"],
+        "from_base": changes,
         "tokens_per_s": tps,
         "checks": checks,
         "lr_identical": checks["lr/decay"]["identical"],
@@ -269,7 +204,8 @@ def compare(
     out.mkdir(parents=True, exist_ok=True)
     result["plots"] = [str(p) for p in _plots(out, steps, c_loss, m_loss, deltas, noise, val, control, mhar)]
     report = out / "report.md"
-    report.write_text(_report(result, control, mhar))
+    evaluation = out / "eval.md"  # written by mhar_titan.eval; kept when the comparison is redone
+    report.write_text(_report(result, control, mhar) + ("\n" + evaluation.read_text() if evaluation.exists() else ""))
     result["report"] = str(report)
     return result
 
@@ -382,6 +318,10 @@ def _report(r: dict[str, Any], control: str, mhar: str) -> str:
         f"The deltas are the TensorBoard run `{r['delta_dir']}`: `tensorboard --logdir {r['pair']}` overlays "
         "control, mhar and delta.",
         "",
+    ]
+    warning = cval.base_warning(r["base"], control, mhar)
+    lines += [warning, ""] if warning else []
+    lines += [
         "## Training loss",
         "",
         f"Batch-to-batch noise of the control: **{_f(noise)}**, the sd of its successive loss differences / √2 over "
@@ -414,33 +354,7 @@ def _report(r: dict[str, Any], control: str, mhar: str) -> str:
     ]
     lines += ["", "![training loss](train_loss.png)", "", "![delta training loss](delta_train_loss.png)", ""]
 
-    lines += ["## Validation", ""]
-    if not r["val"]:
-        lines += ["No validation step in both arms.", ""]
-    for kind, title in (("raw", "Raw weights (`val/ce`)"), ("ema", "EMA weights (`val/ce_ema`)")):
-        rows = [(v["step"], v[kind]) for v in r["val"] if v[kind]]
-        if not rows:
-            continue
-        lines += [
-            f"### {title}",
-            "",
-            "| step | Δ val CE | mean per-batch Δ | 95% CI | batches | note |",
-            "|---:|---:|---:|---|---:|---|",
-        ]
-        for step, p in rows:
-            ci = p["ci"]
-            span = f"[{ci['low']:+.3e}, {ci['high']:+.3e}] (±{ci['half_width']:.2e})" if ci else "n/a"
-            mean = f"{ci['mean']:+.3e}" if ci else "n/a"
-            lines.append(f"| {step} | {p['delta']:+.3e} | {mean} | {span} | {p['n'] or 'n/a'} | {p['note']} |")
-        lines.append("")
-    if r["val"]:
-        lines += [
-            "Δ val CE is token-weighted over all batches (as `val/ce`); the CI is paired over the same batches: "
-            "mean of the per-batch CE differences ± t(0.975, n−1)·sd/√n.",
-            "",
-        ]
-        if any(v["raw"] or v["ema"] for v in r["val"]):
-            lines += ["![validation deltas](val_delta.png)", ""]
+    lines += cval.report_lines(r, control, mhar)
 
     t = r["tokens_per_s"]
     lines += [
@@ -476,13 +390,7 @@ def _summary(r: dict[str, Any]) -> list[str]:
         f"control noise {_f(r['noise'])}",
         "mean |Δ|/noise per quarter: " + ", ".join(_f(q["ratio"], ".3g") for q in r["quarters"]),
     ]
-    if r["val"]:
-        v = r["val"][-1]
-        for kind in ("raw", "ema"):
-            if v[kind]:
-                ci = v[kind]["ci"]
-                ci_text = f" (95% CI [{ci['low']:+.2e}, {ci['high']:+.2e}])" if ci else ""
-                lines.append(f"val {kind} at step {v['step']}: Δ {v[kind]['delta']:+.3e}{ci_text}")
+    lines += cval.summary_lines(r)
     lines.append(f"tokens/s mhar/control: {_f(r['tokens_per_s']['ratio'], '.4f')}")
     lines.append("identical: " + ", ".join(f"{k} {r['checks'][k]['identical']}" for k in (*CHECKED, "data")))
     lines += [f"wrote {p}" for p in (r["delta_dir"], r["report"], *r["plots"])]

@@ -99,6 +99,15 @@ class Checkpoint:
 
 
 @dataclass
+class Validation:
+    """Additions to torchtitan's `[validation]`."""
+
+    at_start: bool = True
+    """A run that starts at step 0 (not a resume) validates the loaded base once before its first update:
+    val/ce and val/ce_ema at step 0, the reference for each arm's change in the comparison."""
+
+
+@dataclass
 class JobConfig:
     mhar: MHAR = field(default_factory=MHAR)
     data: DataConfig = field(default_factory=DataConfig)
@@ -107,3 +116,4 @@ class JobConfig:
     ema: EMA = field(default_factory=EMA)
     training: Training = field(default_factory=Training)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    validation: Validation = field(default_factory=Validation)

@@ -7,8 +7,10 @@ shape or dtype mismatch or an unused tensor fails the load with the ledger.
 
 Writing: sharded safetensors with an index, config.json and the base's
 tokenizer files. The control writes a plain `LlamaForCausalLM`; the MHAR arm
-adds its routing tensors (`model.layers.N.mhar.{attn,ffn}.*`) and an `mhar`
-block in config.json, and may leave them out only while every gate is 0.
+adds its routing tensors (`model.layers.N.mhar.{attn,ffn}.*`) and exports as its
+own architecture (`mhar_llama`: an `mhar` block, `auto_map` and the modeling files
+of mhar_titan/hf_modeling/, loaded with trust_remote_code), which a plain Llama
+loader refuses; it may leave the routing out only while every gate is 0.
 
     python -m mhar_titan.hf inspect PATH
     python -m mhar_titan.hf export RUN_DIR OUT_DIR [--step N] [--ema] [--dtype bf16]
@@ -30,12 +32,21 @@ from typing import Any
 import fsspec
 import torch
 from safetensors.torch import load as load_safetensors_bytes
-from safetensors.torch import save_file
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 
 from mhar_titan.config import MHAR
-from mhar_titan.hf_files import chmod_like_mkdir, llama3_rope_scaling, safetensors_header
+from mhar_titan.hf_files import (
+    MHAR_ARCHITECTURE,
+    MHAR_MODEL_TYPE,
+    chmod_like_mkdir,
+    copy_modeling_files,
+    export_config,
+    llama3_rope_scaling,
+    mhar_settings,
+    safetensors_header,
+    write_shards,
+)
 from mhar_titan.model import MHARModelArgs, MHARTransformer, build_initialised
 
 ROUTING_PARAMS = ("query", "norm_weight", "null", "gate")
@@ -85,17 +96,26 @@ class MHARStateDictAdapter(Llama3StateDictAdapter):
 # config.json <-> model arguments
 
 
-def model_args_from_hf_config(config: dict[str, Any], source: str = "config.json") -> MHARModelArgs:
-    """Model arguments for a Llama-3.x config.json, or a ValueError naming the field we cannot represent."""
+def model_args_from_hf_config(
+    config: dict[str, Any], source: str = "config.json", *, allow_mhar: bool = False
+) -> MHARModelArgs:
+    """Model arguments for a Llama-3.x config.json, or a ValueError naming the field we cannot represent.
+
+    An MHAR export (`mhar_llama`) only with `allow_mhar` (load_hf_model, inspect: they use its own
+    settings); as a training base its routing would load under the run's unchecked `[mhar]` settings.
+    """
 
     def refuse(field_name: str, why: str) -> ValueError:
         return ValueError(f"{source}: {field_name} = {config.get(field_name)!r}: {why}")
 
-    if config.get("model_type") != "llama":
+    mhar_export = config.get("model_type") == MHAR_MODEL_TYPE
+    if mhar_export and not allow_mhar:
+        raise refuse("model_type", "an MHAR export is not a training base; start from a plain Llama checkpoint")
+    if config.get("model_type") != "llama" and not mhar_export:
         raise refuse("model_type", "only Llama checkpoints are supported")
-    archs = config.get("architectures") or ["LlamaForCausalLM"]
-    if archs != ["LlamaForCausalLM"]:
-        raise refuse("architectures", "expected ['LlamaForCausalLM']")
+    arch = MHAR_ARCHITECTURE if mhar_export else "LlamaForCausalLM"
+    if (config.get("architectures") or [arch]) != [arch]:
+        raise refuse("architectures", f"expected [{arch!r}]")
     for name in ("attention_bias", "mlp_bias"):
         if config.get(name):
             raise refuse(name, "biases are not supported by the model")
@@ -290,13 +310,13 @@ def load_hf_model(
     """Our model with an HF checkpoint's weights, on one process: `model(tokens) -> logits`.
 
     `mhar` takes the `[mhar]` settings (an MHAR or a dict of them), None for the control.
+    An MHAR export (`mhar_llama`) brings its own settings: None reads them, and `mhar` settings
+    that contradict them are refused naming the setting.
     The load ledger is on `model.load_ledger`; a bad checkpoint raises with it.
     """
     config = read_json(_join(path, "config.json"))
-    args = model_args_from_hf_config(config, source=_join(path, "config.json"))
-    if isinstance(mhar, dict):
-        mhar = MHAR(**mhar)
-    args.mhar = mhar if mhar is not None else MHAR(enable=False)
+    args = model_args_from_hf_config(config, source=_join(path, "config.json"), allow_mhar=True)
+    args.mhar = mhar_settings(config, mhar, _join(path, "config.json"))
     args.validate()
     with torch.device("meta"):
         model = MHARTransformer(args)
@@ -364,19 +384,20 @@ def export_hf(
 
     config = read_json(_join(base_path, "config.json")) if base_path else hf_config_from_model_args(args, dtype)
     config["torch_dtype"] = _DTYPE_NAMES[dtype]
-    config.pop("mhar", None)
-    if any(_HF_ROUTING.match(k) for k in hf_state):
-        mhar = args.mhar
-        config["mhar"] = {"num_heads": mhar.num_heads, "num_blocks": mhar.num_blocks, "variant": "delta"}
+    with_routing = any(_HF_ROUTING.match(k) for k in hf_state)
+    mhar = {"num_heads": args.mhar.num_heads, "num_blocks": args.mhar.num_blocks, "variant": "delta"}
+    config = export_config(config, mhar if with_routing else None)
 
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
         chmod_like_mkdir(tmp)  # mkdtemp makes it 0700
-        _write_shards(hf_state, tmp, max_shard_bytes)
+        write_shards(hf_state, tmp, max_shard_bytes)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
+        if with_routing:
+            copy_modeling_files(tmp)
         if base_path:
             fs, root = fsspec.core.url_to_fs(base_path)
             for name in TOKENIZER_FILES:
@@ -392,27 +413,6 @@ def export_hf(
 
 def _clean_key(key: str) -> str:
     return key.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
-def _write_shards(state: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key in sorted(state):
-        nbytes = state[key].numel() * state[key].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = state[key]
-        size += nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump(index, f, indent=2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,8 +505,8 @@ def init_hf(
 def inspect(path: str, mhar: MHAR | None = None) -> str:
     """A config summary, the parameter count, and what a load's ledger would say."""
     config = read_json(_join(path, "config.json"))
-    args = model_args_from_hf_config(config, source=_join(path, "config.json"))
-    args.mhar = mhar or MHAR(enable=False)
+    args = model_args_from_hf_config(config, source=_join(path, "config.json"), allow_mhar=True)
+    args.mhar = mhar_settings(config, mhar, _join(path, "config.json"))
     with torch.device("meta"):
         model = MHARTransformer(args)
     ledger = build_ledger(path, model_shapes(model), MHARStateDictAdapter(args, path))

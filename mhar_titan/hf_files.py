@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from typing import Any
 
 import fsspec
+import torch
+from safetensors.torch import save_file
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
+
+from mhar_titan.config import MHAR
 
 # The safetensors format caps the header at 100 MB (MAX_HEADER_SIZE in the safetensors crate).
 SAFETENSORS_MAX_HEADER = 100_000_000
@@ -94,3 +99,89 @@ def umask() -> int:
 def chmod_like_mkdir(path: str) -> None:
     """Give a folder made by tempfile.mkdtemp (mode 0700) the mode a plain mkdir would have given it."""
     os.chmod(path, 0o777 & ~umask())
+
+
+# ---------------------------------------------------------------------------------------------
+# the MHAR arm's own HF architecture (mhar_titan/hf_modeling/)
+
+MODELING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_modeling")
+MODELING_FILES = ("configuration_mhar_llama.py", "modeling_mhar_llama.py")
+MHAR_MODEL_TYPE = "mhar_llama"
+MHAR_ARCHITECTURE = "MHARLlamaForCausalLM"
+MHAR_LAYER_TYPE = "mhar_delta"  # configuration_mhar_llama.MHAR_LAYER_TYPE: what a plain LlamaConfig refuses
+MHAR_CONFIG_KEYS = ("auto_map", "mhar", "layer_types")
+
+
+def export_config(config: dict[str, Any], mhar: dict[str, Any] | None) -> dict[str, Any]:
+    """config.json for an export: plain Llama when `mhar` is None, else the MHAR arm's own architecture.
+
+    From a plain or an MHAR config (whose own keys are dropped first), keeping the key order, so that
+    export -> load -> export writes the same file.
+    """
+    mhar_keys = MHAR_CONFIG_KEYS if config.get("model_type") == MHAR_MODEL_TYPE else ("mhar",)
+    out = {k: v for k, v in config.items() if k not in mhar_keys}
+    out["model_type"] = "llama" if mhar is None else MHAR_MODEL_TYPE
+    out["architectures"] = ["LlamaForCausalLM"] if mhar is None else [MHAR_ARCHITECTURE]
+    if mhar is not None:
+        out["auto_map"] = {
+            "AutoConfig": "configuration_mhar_llama.MHARLlamaConfig",
+            "AutoModelForCausalLM": f"modeling_mhar_llama.{MHAR_ARCHITECTURE}",
+        }
+        out["mhar"] = dict(mhar)
+        out["layer_types"] = [MHAR_LAYER_TYPE] * config["num_hidden_layers"]
+    return out
+
+
+def copy_modeling_files(out_dir: str) -> None:
+    """Put the MHAR configuration and modeling files beside the weights (for trust_remote_code)."""
+    for name in MODELING_FILES:
+        shutil.copyfile(os.path.join(MODELING_DIR, name), os.path.join(out_dir, name))
+
+
+def mhar_settings(config: dict[str, Any], mhar: MHAR | dict[str, Any] | None, source: str) -> MHAR:
+    """The [mhar] settings a load uses: the caller's, the export's own, or the control's."""
+    if isinstance(mhar, dict):
+        mhar = dict(mhar)
+        if "variant" in mhar:  # an export's own block: {"num_heads", "num_blocks", "variant"}
+            mhar.setdefault("enable", True)
+        variant = mhar.pop("variant", "delta")
+        if variant != "delta":
+            raise ValueError(f"mhar variant = {variant!r}: only 'delta' is implemented")
+        mhar = MHAR(**mhar)
+    if config.get("model_type") != MHAR_MODEL_TYPE:
+        return mhar if mhar is not None else MHAR(enable=False)
+    block = config.get("mhar") or {}
+    if block.get("variant", "delta") != "delta":
+        raise ValueError(f"{source}: mhar.variant = {block['variant']!r}: only 'delta' is implemented")
+    own = MHAR(enable=True, num_heads=block.get("num_heads"), num_blocks=block.get("num_blocks"))
+    if mhar is None:
+        return own
+    for name in ("enable", "num_heads", "num_blocks"):
+        if getattr(mhar, name) != getattr(own, name):
+            raise ValueError(
+                f"{source}: an MHAR export with {name} = {getattr(own, name)!r}, loaded with "
+                f"mhar {name} = {getattr(mhar, name)!r}; leave mhar unset to use the export's own settings"
+            )
+    return mhar
+
+
+def write_shards(state: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int) -> None:
+    """Sharded safetensors of at most max_shard_bytes each (one tensor per shard if larger), and the index."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(state):
+        nbytes = state[key].numel() * state[key].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = state[key]
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)

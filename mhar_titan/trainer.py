@@ -111,7 +111,9 @@ class CPTTrainer(Trainer):
     def _write_model_args(self) -> None:
         """Rank 0: the architecture and [mhar] settings beside the checkpoints, for the tools (hf export)."""
         path = os.path.join(self.job_config.job.dump_folder, MODEL_ARGS_FILE)
-        info = {"hf_assets_path": self.job_config.model.hf_assets_path, "args": dataclasses.asdict(self.model_args)}
+        base = self.job_config.model.hf_assets_path
+        base = base if "://" in base else os.path.abspath(base)  # tools may run from another directory
+        info = {"hf_assets_path": base, "args": dataclasses.asdict(self.model_args)}
         with open(path + ".tmp", "w") as f:
             json.dump(info, f, indent=2)
         os.replace(path + ".tmp", path)
@@ -126,6 +128,8 @@ class CPTTrainer(Trainer):
         self._record_run(changes)
         if self.ema is not None:
             self.ema.start()  # after the load: a restored EMA stays, otherwise it starts from the loaded weights
+        if cfg.validation.enable and cfg.validation.at_start and self.step == 0:
+            self.validate()  # the base, before any update (a resume does not repeat it): each arm's reference
         logger.info(f"Training starts at step {self.step + 1}")
         self.clock.start(self.step, cfg.training.steps)
         where = {"global_step": self.step, "base_folder": cfg.job.dump_folder}
@@ -309,6 +313,7 @@ class CPTTrainer(Trainer):
                 metrics["val/ce_ema"] = self.validator.validate(self.model_parts, self.step)
             batches["ema"] = self.validator.per_batch
         self.metrics_processor.logger.log(metrics, self.step)
+        flush(self.metrics_processor)
         if torch.distributed.get_rank() == 0:
             self._write_validation_batches(batches)
         spent = time.perf_counter() - began

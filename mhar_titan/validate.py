@@ -117,6 +117,13 @@ def build_fixed_set_validator(
         raise TypeError("validation needs the HF tokenizer of model.hf_assets_path")
     cfg = data_config(job_config)
     v = job_config.validation
+    if v.seq_len > job_config.training.seq_len:
+        # The model's RoPE table covers training.seq_len positions (torchtitan sets max_seq_len to it):
+        # fail at start-up, not at the first evaluation (step 0 with validation.at_start).
+        raise ValueError(
+            f"[validation] seq_len = {v.seq_len} exceeds [training] seq_len = {job_config.training.seq_len}, "
+            "the longest sequence the model is built for; lower validation.seq_len"
+        )
     loader = ValidationLoader(
         cfg,
         list_shards(cfg.paths, cfg.manifest),

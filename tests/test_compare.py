@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from mhar_titan.compare import compare, main, paired_ci, t_quantile
+from mhar_titan.compare import compare, main
+from mhar_titan.compare_validation import paired_ci, t_quantile
 from mhar_titan.tensorboard_scalars import event_files, load_scalars, read_scalars
 
 N, SIGMA = 2000, 0.02
@@ -34,6 +35,10 @@ def write_run(run: Path, scalars: dict[str, dict[int, float]], sub: str = "20260
 def write_val(run: Path, step: int, **kinds: dict[str, list]) -> None:
     (run / "validation").mkdir(parents=True, exist_ok=True)
     (run / "validation" / f"step-{step:08d}.json").write_text(json.dumps({"step": step, **kinds}))
+
+
+def val_files(run: Path) -> dict[int, Path]:
+    return {int(p.stem[5:]): p for p in (run / "validation").glob("step-*.json")}
 
 
 def batches(ce: np.ndarray, tokens: np.ndarray) -> dict[str, list]:
@@ -78,6 +83,11 @@ def pair(tmp_path_factory) -> dict:
             val_tb[name].setdefault("val/ce_ema", {})[s] = float((ema * tokens).sum() / tokens.sum())
             if s != 1500:  # step 1500: aggregate only, as without per-batch files
                 write_val(root / name, s, raw=batches(raw, tokens), ema=batches(ema, tokens))
+    base = 2.6 + 0.05 * rng.standard_normal(VAL_BATCHES)  # step 0: the same base, the EMA is the weights
+    for name in arms:
+        for tag in ("val/ce", "val/ce_ema"):
+            val_tb[name][tag][0] = float((base * tokens).sum() / tokens.sum())
+        write_val(root / name, 0, raw=batches(base, tokens), ema=batches(base, tokens))
     for name, loss in arms.items():
         write_run(
             root / name,
@@ -154,6 +164,41 @@ def test_validation_paired_ci(pair):
     assert 1500 not in low_tb
 
 
+def test_each_arm_changes_from_the_identical_base_with_a_paired_ci(pair):
+    root, r = pair["root"], pair["result"]
+    assert r["base_identical"] is True and r["base"]["present"] == {"control": True, "mhar": True}
+    assert r["base"]["raw"]["delta"]["delta"] == 0 and r["base"]["raw"]["delta"]["ci"]["half_width"] == 0
+    for arm in ("control", "mhar"):
+        rows = r["from_base"][arm]
+        assert [row["step"] for row in rows] == [500, 1000, 1500]
+        files = {s: json.loads(p.read_text()) for s, p in val_files(root / arm).items()}
+        base = files[0]
+        for row in rows[:2]:
+            later = files[row["step"]]
+            for kind in ("raw", "ema"):
+                (b_sum, t), (v_sum, _) = (
+                    (np.array(f[kind]["ce_sum"]), np.array(f[kind]["tokens"])) for f in (base, later)
+                )
+                diffs = v_sum / t - b_sum / t
+                p = row[kind]
+                assert p["source"] == "batches" and p["n"] == VAL_BATCHES
+                assert p["delta"] == pytest.approx(v_sum.sum() / t.sum() - b_sum.sum() / t.sum(), rel=1e-12)
+                assert p["ci"]["mean"] == pytest.approx(diffs.mean(), rel=1e-12)
+                assert p["ci"]["half_width"] == pytest.approx(T_975_DF15 * diffs.std(ddof=1) / 4, rel=1e-9)
+        last = rows[2]  # no per-batch files at step 1500: from TensorBoard, no CI
+        val = read_scalars(root / arm, "val/ce_ema")
+        assert last["ema"]["source"] == "tensorboard" and last["ema"]["ci"] is None
+        assert last["ema"]["delta"] == val[1500] - val[0]
+        tb = read_scalars(root / "delta", f"from_base/{arm}/val_ce_ema")
+        assert tb == {s: f32(row["ema"]["delta"]) for s, row in zip((500, 1000, 1500), rows, strict=True)}
+    # MHAR − control from the base is MHAR − control: the base cancels
+    for c, m, v in zip(r["from_base"]["control"], r["from_base"]["mhar"], r["val"], strict=True):
+        assert m["raw"]["delta"] - c["raw"]["delta"] == pytest.approx(v["raw"]["delta"], abs=1e-12)
+    text = Path(r["report"]).read_text()
+    assert "Both arms' step-0 values are identical (`val/ce` " in text and "WARNING" not in text
+    assert "### Change of `control` from the base" in text and "### Change of `mhar` from the base" in text
+
+
 def test_report_and_plots(pair):
     r = pair["result"]
     report = Path(r["report"])
@@ -200,6 +245,7 @@ def test_divergences_and_unmatched_steps(tmp_path, capsys):
     write_run(tmp_path / "mhar", {"train/loss": {s: 3 - s / 100 for s in range(1, 66)}, **mhar})
     out = tmp_path / "out"
     main([str(tmp_path), "--out", str(out)])
+    (out / "eval.md").write_text("## Evaluation (lm-evaluation-harness)\n")  # as mhar_titan.eval leaves it
     r = compare(tmp_path, out)  # a second run replaces the delta run's event file
     assert len(event_files(tmp_path / "delta")) == 1
     assert r["only_control"] == [] and r["only_mhar"] == [10, 61, 62, 63, 64, 65]
@@ -213,6 +259,7 @@ def test_divergences_and_unmatched_steps(tmp_path, capsys):
     text = (out / "report.md").read_text()
     assert "first at step 37" in text and "first at step 51" in text and "first at step 44" in text
     assert "10, 61, 62, 63, 64, 65" in text
+    assert text.endswith("\n## Evaluation (lm-evaluation-harness)\n")  # redoing the comparison keeps it
     printed = capsys.readouterr().out
     assert f"wrote {out / 'report.md'}" in printed and f"wrote {tmp_path / 'delta'}" in printed
     assert not (out / "val_delta.png").exists()
@@ -252,3 +299,57 @@ def test_series_missing_in_one_arm_diverges(tmp_path):
         "identical": False, "step": 5, "control": None, "mhar": 1.0, "tag": "data/tokens/new", "tags": 4
     }  # fmt: skip
     assert "first at step 5: control missing, mhar 1.0" in (tmp_path / "compare" / "report.md").read_text()
+
+
+def base_pair(root: Path, control: list[float] | None, mhar: list[float] | None, base_tokens=(100, 120, 90)) -> None:
+    """Two arms validated at steps 2 and 4 on three batches, and at step 0 with the given per-batch CE."""
+    for arm, base in (("control", control), ("mhar", mhar)):
+        write_run(root / arm, {"train/loss": {1: 3.0, 2: 2.9, 3: 2.8, 4: 2.7}})
+        t = np.array((100, 120, 90))
+        for step, ce in ((2, [2.5, 2.6, 2.4]), (4, [2.4, 2.45, 2.3])):
+            write_val(root / arm, step, raw=batches(np.array(ce), t), ema=batches(np.array(ce) + 0.1, t))
+        if base is not None:
+            b = batches(np.array(base), np.array(base_tokens))
+            write_val(root / arm, 0, raw=b, ema=b)
+
+
+def test_a_different_base_is_reported_loudly(tmp_path, capsys):
+    base_pair(tmp_path, [2.7, 2.8, 2.6], [2.7, 2.8, 2.6 + 1e-6])
+    main([str(tmp_path)])
+    r = compare(tmp_path)
+    assert r["base_identical"] is False and r["base"]["raw"]["identical"] is False
+    assert r["base"]["raw"]["delta"]["delta"] == pytest.approx(1e-6 * 90 / 310, rel=1e-6)
+    text = (tmp_path / "compare" / "report.md").read_text()
+    head = text.split("## Training loss")[0]
+    assert "**WARNING: the arms' step-0 validation differs" in head  # at the top, before everything else
+    assert "not a matched pair" in text and "| `val/ce` | 2.709677 | 2.709678 | +2.903e-07 |" in text
+    assert "step-0 validation (the base): DIFFER" in capsys.readouterr().out
+    # each arm's change is still from its own base
+    assert r["from_base"]["mhar"][0]["raw"]["delta"] == pytest.approx(
+        (2.5 * 100 + 2.6 * 120 + 2.4 * 90) / 310 - (2.7 * 100 + 2.8 * 120 + (2.6 + 1e-6) * 90) / 310, rel=1e-9
+    )
+
+
+def test_a_base_in_one_arm_only_or_none(tmp_path):
+    base_pair(tmp_path / "one", [2.7, 2.8, 2.6], None)
+    r = compare(tmp_path / "one")
+    assert r["base"] == {"present": {"control": True, "mhar": False}, "identical": None}
+    assert [row["step"] for row in r["from_base"]["control"]] == [2, 4] and r["from_base"]["mhar"] == []
+    assert [v["step"] for v in r["val"]] == [2, 4]
+    text = (tmp_path / "one" / "compare" / "report.md").read_text()
+    assert "**WARNING: only `control` validated the base at step 0; `mhar` did not**" in text.split("## Training")[0]
+
+    base_pair(tmp_path / "none", None, None)
+    r = compare(tmp_path / "none")
+    assert r["base"]["identical"] is None and r["from_base"] == {"control": [], "mhar": []}
+    text = (tmp_path / "none" / "compare" / "report.md").read_text()
+    assert "No step-0 validation in either arm" in text and "WARNING" not in text
+
+
+def test_change_from_a_base_on_other_batches_has_no_ci(tmp_path):
+    base_pair(tmp_path, [2.7, 2.8, 2.6], [2.7, 2.8, 2.6], base_tokens=(100, 120, 91))
+    r = compare(tmp_path)
+    assert r["base_identical"] is True
+    row = r["from_base"]["control"][0]
+    assert row["raw"]["ci"] is None and "differ from step 0" in row["raw"]["note"]
+    assert "differ from step 0: not the same batches" in (tmp_path / "compare" / "report.md").read_text()

@@ -18,7 +18,8 @@ from mhar_titan.ema import WeightEMA, plain_name
 from mhar_titan.loss import ZLossCrossEntropy
 from mhar_titan.model import MHARTransformer, build_initialised
 from mhar_titan.train_spec import FLAVORS
-from mhar_titan.validate import FixedSetValidator
+from mhar_titan.trainer import parse_config
+from mhar_titan.validate import FixedSetValidator, build_fixed_set_validator
 
 
 def tiny_model(seed: int, mhar: bool = True) -> MHARTransformer:
@@ -114,3 +115,23 @@ def test_validation_is_cross_entropy_only_and_the_same_every_time(validation_loa
     assert abs(first - ce) <= tol
     assert abs((total - first) - 1e-4 * z) <= tol + 1e-4 * z * 1e-5  # only training carries the z-loss
     assert v.should_validate(10) and not v.should_validate(11)
+
+
+def test_a_fresh_run_validates_the_base_by_default(tmp_path):
+    """[validation] at_start: on unless turned off; the trainer runs it when a run starts at step 0 (the
+    torchrun runs of test_train_resume check a fresh start validates step 0 and a resume does not)."""
+    config = str(REPO / "configs" / "tiny_cpu.toml")
+    assert parse_config(["--job.config_file", config]).validation.at_start is True
+    assert parse_config(["--job.config_file", config, "--validation.no-at-start"]).validation.at_start is False
+    toml = tmp_path / "off.toml"
+    toml.write_text(
+        (REPO / "configs" / "tiny_cpu.toml").read_text().replace("[validation]\n", "[validation]\nat_start = false\n")
+    )
+    assert parse_config(["--job.config_file", str(toml)]).validation.at_start is False
+
+
+def test_validation_longer_than_the_model_is_refused_at_start_up():
+    config = parse_config(["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--training.seq_len", "32"])
+    tokenizer = HuggingFaceTokenizer(str(REPO / "assets" / "tiny"))
+    with pytest.raises(ValueError, match=r"\[validation\] seq_len = 256 exceeds \[training\] seq_len = 32"):
+        build_fixed_set_validator(config, 1, 0, tokenizer, None, torch.no_grad, torch.no_grad())

@@ -115,13 +115,13 @@ def test_mhar_export_keeps_routing_or_refuses(hf_dir, tmp_path):
 
     export_hf(model, str(tmp_path / "mhar"), base_path=str(path), dtype=torch.float32)
     config = read_json(str(tmp_path / "mhar" / "config.json"))
-    assert config["mhar"]["num_blocks"] == 2
+    assert config["mhar"]["num_blocks"] == 2 and config["model_type"] == "mhar_llama"
     again = load_hf_model(str(tmp_path / "mhar"), mhar=mhar_cfg)
     assert not again.load_ledger.initialised
     for (k, a), b in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
-    with pytest.raises(ValueError, match=r"unused: model\.layers\.0\.mhar\.attn\."):
-        load_hf_model(str(tmp_path / "mhar"))  # the control cannot drop trained routing
+    with pytest.raises(ValueError, match="an MHAR export with enable = True, loaded with mhar enable = False"):
+        load_hf_model(str(tmp_path / "mhar"), mhar={"enable": False})  # the control cannot drop trained routing
 
 
 def _single_file(path, tmp_path, edit):

@@ -12,11 +12,11 @@ from conftest import REPO, torchrun
 from safetensors.torch import load_file
 from test_hf import hf_config
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from data.loader import ParquetDataLoader, data_config
 from data.shards import list_shards
-from mhar_titan.hf import load_hf_model
+from mhar_titan.hf import load_hf_model, load_run_checkpoint, read_json
 from mhar_titan.tensorboard_scalars import read_scalars
 from mhar_titan.trainer import parse_config
 
@@ -59,7 +59,7 @@ def from_base(base) -> list[str]:
     update leaves every weight as loaded (the re-warmup's first LR is exactly 0)."""
     overrides = ["--model.flavor", "hf", "--model.hf_assets_path", str(base)]
     overrides += ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(base)]
-    overrides += ["--training.steps", "1", "--training.seq_len", str(SEQ)]
+    overrides += ["--training.steps", "1", "--training.seq_len", str(SEQ), "--validation.seq_len", str(SEQ)]
     overrides += ["--training.local_batch_size", str(BATCH), "--mhar.num_heads", "4", "--mhar.num_blocks", "2"]
     return [*overrides, "--loss.z_loss", "0"]
 
@@ -111,3 +111,25 @@ def test_the_base_is_loaded_with_periodic_checkpoints_off(base, tmp_path):
     assert f"The run starts from the base {base} (HF safetensors) at step 0" in log
     assert read_scalars(run)[1] == pytest.approx(first_step_loss(base), rel=1e-5)
     assert not (run / "checkpoint").exists()
+
+
+def test_trained_mhar_export_loads_with_remote_code_and_matches(base, tmp_path):
+    """A few high-LR steps open the gates; the export, built by transformers from its own modeling
+    files, computes the run's logits, and load_hf_model reads it back with its own settings."""
+    run = tmp_path / "run"
+    steps = ["--training.steps", "4", "--optimizer.lr", "0.05", "--lr_scheduler.warmup_steps", "1"]
+    torchrun(run, *from_base(base), *steps, "--validation.no-enable", config="configs/tiny_cpu_mhar.toml")
+    ours = load_run_checkpoint(str(run))
+    gates = torch.cat([p.detach().flatten() for n, p in ours.named_parameters() if n.endswith("_routing.gate")])
+    assert gates.abs().min() > 1e-3, gates
+
+    out = tmp_path / "export"
+    cmd = [sys.executable, "-m", "mhar_titan.hf", "export", str(run), str(out), "--dtype", "fp32"]
+    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
+    assert read_json(str(out / "config.json"))["mhar"] == {"num_heads": 4, "num_blocks": 2, "variant": "delta"}
+    theirs = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32)
+    tokens = torch.randint(0, 2048, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got, again = ours(tokens), theirs(tokens).logits, load_hf_model(str(out))(tokens)
+    assert (got - want).abs().max() / want.abs().max() < 1e-5
+    assert torch.equal(again, want)

@@ -29,7 +29,7 @@ GRAD_NORM_TAG = "grad_norm"
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> Path:
-    """8 uninterrupted steps, validating the raw and the EMA weights at steps 2, 4, 6, 8."""
+    """8 uninterrupted steps, validating the raw and the EMA weights at steps 0 (the base), 2, 4, 6, 8."""
     run = tmp_path_factory.mktemp("straight") / "run"
     proc = torchrun(run, "--training.steps", "8", *SCHEDULE, *VALIDATE)
     log = proc.stdout + proc.stderr
@@ -56,9 +56,14 @@ def test_resume_reproduces_uninterrupted_run(straight, tmp_path):
         assert got == want, f"{tag}: resumed {got} != uninterrupted {want}"
     for tag in ("val/ce", "val/ce_ema"):  # the same fixed set, the same weights: the same values
         want, got = read_scalars(straight, tag), read_scalars(resumed, tag)
-        assert list(want) == [2, 4, 6, 8] and list(got) == [6, 8], tag
+        # a fresh start validates the base at step 0 too; a resume does not repeat it
+        assert list(want) == [0, 2, 4, 6, 8] and list(got) == [6, 8], tag
         assert got == {s: want[s] for s in (6, 8)}, tag
+    files = {run: sorted(p.name for p in (run / "validation").glob("step-*.json")) for run in (straight, resumed)}
+    assert files[straight] == [f"step-{s:08d}.json" for s in (0, 2, 4, 6, 8)]
+    assert files[resumed] == ["step-00000006.json", "step-00000008.json"]
     val, val_ema = read_scalars(straight, "val/ce"), read_scalars(straight, "val/ce_ema")
+    assert val_ema[0] == val[0]  # at step 0 the EMA is the weights
     assert val_ema[8] != val[8]  # beta 0.8 over 8 steps: the EMA lags the weights
     for ema in (False, True):
         want = load_run_checkpoint(str(straight), 8, ema=ema).state_dict()
