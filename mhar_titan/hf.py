@@ -550,11 +550,26 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "inspect":
         print(inspect(args.path, MHAR(enable=True) if args.mhar else None))
     elif args.cmd == "export":
-        model = load_run_checkpoint(args.run_dir, args.step, ema=args.ema)
-        _, base = run_model_args(args.run_dir)
-        base = base if base and fsspec.core.url_to_fs(base)[0].exists(_join(base, "config.json")) else None
-        export_hf(model, args.out_dir, base_path=base, dtype=DTYPES[args.dtype], include_routing=not args.no_routing)
-        print(f"exported {checkpoint_step_dir(args.run_dir, args.step)} to {args.out_dir} ({args.dtype})")
+        try:
+            _export(args)
+        except (FileNotFoundError, FileExistsError, ValueError) as e:  # bad input: one line, no traceback
+            sys.exit(f"python -m mhar_titan.hf export: {e}")
+
+
+def _export(args: argparse.Namespace) -> None:
+    """The export command: every input checked before the (long) reading of the checkpoint."""
+    if os.path.exists(args.out_dir):
+        raise FileExistsError(f"{args.out_dir} already exists; export into a new directory")
+    step_dir = checkpoint_step_dir(args.run_dir, args.step)
+    _, base = run_model_args(args.run_dir)
+    if base and not fsspec.core.url_to_fs(base)[0].exists(_join(base, "config.json")):
+        print(f"warning: the run's base {base} is not there: the export gets no tokenizer files", file=sys.stderr)
+        base = None
+    print(f"reading {step_dir} ({'EMA' if args.ema else 'raw'} weights)", flush=True)
+    model = load_run_checkpoint(args.run_dir, args.step, ema=args.ema)
+    print(f"writing {args.out_dir} ({args.dtype})", flush=True)
+    export_hf(model, args.out_dir, base_path=base, dtype=DTYPES[args.dtype], include_routing=not args.no_routing)
+    print(f"exported {step_dir} to {args.out_dir} ({args.dtype})")
 
 
 if __name__ == "__main__":

@@ -2,38 +2,19 @@
 written in-process, the MHAR arm with open gates), both arms exported and evaluated on the demo task."""
 
 import argparse
-import dataclasses
 import json
 import os
 
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
 from conftest import REPO
+from tiny_runs import write_tiny_run
 
 from mhar_titan import eval as pair_eval
 from mhar_titan.config import MHAR
 from mhar_titan.eval_tasks import TASK, cloze_items
 from mhar_titan.hf import init_hf
-from mhar_titan.model import build_initialised
-from mhar_titan.train_spec import FLAVORS
 
 STEP, LIMIT = 4, 16
-
-
-def write_run(run, base, mhar: MHAR, seed: int) -> None:
-    """A run folder as train_cpt.py leaves it: model_args.json and a complete DCP checkpoint with an EMA."""
-    args = dataclasses.replace(FLAVORS["tiny"], mhar=mhar)
-    torch.manual_seed(seed)
-    model = build_initialised(args)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "_routing." in name:  # open gates, non-trivial routing: the arms must differ
-                p.copy_(0.3 * torch.randn_like(p))
-    state = dict(model.state_dict())
-    state.update({f"ema.{n}": p.detach() * 0.5 for n, p in model.named_parameters()})
-    dcp.save(state, checkpoint_id=str(run / "checkpoint" / f"step-{STEP}"), no_dist=True)
-    (run / "model_args.json").write_text(json.dumps({"hf_assets_path": str(base), "args": dataclasses.asdict(args)}))
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +22,10 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("pair")
     base = root / "base"
     init_hf(str(base), "tiny", tokenizer_dir=str(REPO / "assets" / "tiny"), seed=0)
-    write_run(root / "control", base, MHAR(enable=False), seed=1)
-    write_run(root / "mhar", base, MHAR(enable=True, num_heads=8, num_blocks=2, backend="torch"), seed=1)
+    write_tiny_run(root / "control", base, MHAR(enable=False), seed=1, step=STEP)
+    write_tiny_run(
+        root / "mhar", base, MHAR(enable=True, num_heads=8, num_blocks=2, backend="torch"), seed=1, step=STEP
+    )
     return root
 
 

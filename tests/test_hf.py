@@ -10,8 +10,11 @@ import pytest
 import torch
 from conftest import REPO
 from safetensors.torch import load_file, save_file
+from tiny_runs import write_tiny_run
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from mhar_titan import hf
+from mhar_titan.config import MHAR
 from mhar_titan.hf import export_hf, init_hf, inspect, load_hf_model, model_args_from_hf_config, read_json
 from mhar_titan.hf_files import SAFETENSORS_MAX_HEADER
 
@@ -338,3 +341,22 @@ def test_export_and_init_folders_get_the_mode_mkdir_would_give(hf_dir, tmp_path,
     assert stat.S_IMODE((tmp_path / "plain").stat().st_mode) == want
     assert stat.S_IMODE((tmp_path / "export").stat().st_mode) == want
     assert stat.S_IMODE((tmp_path / "init").stat().st_mode) == want
+
+
+def test_export_cli_checks_its_inputs_first_and_answers_in_one_line(tmp_path, capsys):
+    run, out = tmp_path / "run", tmp_path / "out"
+    write_tiny_run(run, tmp_path / "no-base", MHAR(enable=False), seed=0, step=4)
+    out.mkdir()
+    for argv, message in [
+        ([str(run), str(out)], f"{out} already exists; export into a new directory"),
+        ([str(tmp_path / "nothing"), str(tmp_path / "o1")], "no complete checkpoint (step-N with .metadata)"),
+        ([str(run), str(tmp_path / "o2"), "--step", "7"], "no complete checkpoint for step 7; have [4]"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            hf.main(["export", *argv])
+        assert str(stop.value).startswith("python -m mhar_titan.hf export: ") and message in str(stop.value)
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+    hf.main(["export", str(run), str(tmp_path / "o3"), "--dtype", "fp32"])
+    printed = capsys.readouterr()
+    assert f"the run's base {tmp_path / 'no-base'} is not there: the export gets no tokenizer files" in printed.err
+    assert "reading " in printed.out and (tmp_path / "o3" / "config.json").is_file()
