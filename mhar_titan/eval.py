@@ -88,6 +88,18 @@ def run_harness(folder: Path, tasks: list[str], task_dir: Path, args: argparse.N
     return {"results": out["results"], "samples": out["samples"]}
 
 
+def check_tasks(tasks: list[str], task_dir: Path) -> None:
+    """Every task known to lm-eval (its registry, or our include path); else a ValueError naming them."""
+    from lm_eval.tasks import TaskManager  # the optional `eval` extra, as in run_harness
+
+    if not tasks:
+        raise ValueError("--tasks names no task")
+    known = set(TaskManager(include_path=str(task_dir)).all_tasks)
+    unknown = [t for t in tasks if t not in known]
+    if unknown:
+        raise ValueError(f"--tasks: {', '.join(unknown)} not known to lm-eval (nor in {task_dir})")
+
+
 def paired_rows(control: dict[str, Any], mhar: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per task and metric: both arms' scores and stderrs, the delta with its paired stderr and CI."""
     rows = []
@@ -182,12 +194,14 @@ def evaluate_pair(pair: Path, args: argparse.Namespace) -> dict[str, list[dict[s
             )
     step = common_step(pair, args.step)
     tasks = [t for t in args.tasks.split(",") if t]
+    every_weights = [w for w in args.weights.split(",") if w]
+    if not every_weights or any(w not in ("raw", "ema") for w in every_weights):
+        raise ValueError(f"--weights {args.weights!r}: expected raw, ema or raw,ema")
     work = pair / "eval"
     task_dir = write_task(work / "tasks")
+    check_tasks(tasks, task_dir)  # before any export: an 8B export takes minutes
     results = {}
-    for weights in [w for w in args.weights.split(",") if w]:
-        if weights not in ("raw", "ema"):
-            raise ValueError(f"--weights {weights!r}: expected raw, ema or raw,ema")
+    for weights in every_weights:
         scores = {}
         for arm in ARMS:
             print(f"[eval] {arm}, {weights} weights, step {step}: export and {', '.join(tasks)}", flush=True)

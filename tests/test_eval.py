@@ -80,6 +80,17 @@ def test_paired_rows_pair_documents_and_refuse_different_ones():
         pair_eval.paired_rows(arm([1, 0]), arm([1, 0, 1]))
 
 
+def test_unknown_tasks_and_weights_are_refused_before_any_export(pair, tmp_path):
+    before = sorted(p.name for p in (pair / "eval").iterdir()) if (pair / "eval").exists() else []
+    for kw, message in [
+        (dict(tasks="no_such_task"), "--tasks: no_such_task not known to lm-eval"),
+        (dict(weights="rawx"), "--weights 'rawx': expected raw, ema or raw,ema"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            pair_eval.evaluate_pair(pair, options(out=str(tmp_path), **kw))
+    assert sorted(p.name for p in (pair / "eval").iterdir() if p.name != "tasks") == [b for b in before if b != "tasks"]
+
+
 def test_a_step_missing_in_one_arm_is_refused(pair):
     with pytest.raises(ValueError, match="step 8 is not a complete checkpoint of both arms"):
         pair_eval.common_step(pair, 8)
