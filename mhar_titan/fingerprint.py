@@ -193,14 +193,19 @@ def read(folder: str) -> dict[str, Any] | None:
     return recorded
 
 
-def check(recorded: dict[str, Any], current: dict[str, Any], allow: list[str], where: str) -> list[str]:
-    """The lines of the allowed differences; a ValueError listing all of them if any group is not allowed."""
+def check_allow(allow: list[str]) -> None:
+    """`[checkpoint] allow_changes` names only groups that may change (the trainer checks it at every start)."""
     bad_allow = sorted(set(allow) - set(ALLOWABLE))
     if bad_allow:
         raise ValueError(
             f"[checkpoint] allow_changes = {allow}: {', '.join(bad_allow)} cannot be allowed "
             f"(choose from {', '.join(ALLOWABLE)}; a run's architecture never changes on resume)"
         )
+
+
+def check(recorded: dict[str, Any], current: dict[str, Any], allow: list[str], where: str) -> list[str]:
+    """The lines of the allowed differences; a ValueError listing all of them if any group is not allowed."""
+    check_allow(allow)
     diffs = differences(recorded, current)
     refused = sorted({group for group, *_ in diffs if group not in allow})
     if refused:

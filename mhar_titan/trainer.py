@@ -363,6 +363,7 @@ def parse_config(argv: list[str]) -> JobConfig:
         raise ValueError(f"[model] name = {config.model.name!r}: train_cpt.py trains {MODEL_NAME!r}")
     if not config.training.max_norm > 0:  # clipping to 0 zeroes every gradient: a run that does not train
         raise ValueError(f"[training] max_norm = {config.training.max_norm} must be > 0 (inf: no clipping)")
+    fingerprint.check_allow(config.checkpoint.allow_changes)  # at every start: a typo is seen at once
     if config.checkpoint.last_save_in_hf:
         # torchtitan's writer keys shards by the base's index (no routing tensors: the MHAR arm fails at its
         # last step) and writes no config.json or tokenizer files (the control's folder is not loadable).

@@ -156,3 +156,9 @@ def test_a_clipping_norm_that_zeroes_every_gradient_is_refused(max_norm):
 def test_last_save_in_hf_is_refused_pointing_to_hf_export():
     with pytest.raises(ValueError, match=r"last_save_in_hf is not supported.*python -m mhar_titan.hf export RUN_DIR"):
         job("--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only")
+
+
+@pytest.mark.parametrize("groups", ["model", "data,shedule"])
+def test_allow_changes_names_only_groups_that_may_change(groups):
+    with pytest.raises(ValueError, match=r"allow_changes = .* cannot be allowed \(choose from base, data, schedule"):
+        job("--checkpoint.allow_changes", groups)
