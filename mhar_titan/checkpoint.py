@@ -32,7 +32,8 @@ from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
 from mhar_titan.checksums import verify_share, write_manifest
-from mhar_titan.hf import _OUR_ROUTING, build_ledger
+from mhar_titan.hf.adapter import OUR_ROUTING
+from mhar_titan.hf.ledger import build_ledger
 
 LEDGER_FILE = "load_ledger.json"
 _COMPLETE = (".metadata", "model.safetensors.index.json")  # written last by DCP / by an HF export
@@ -270,7 +271,7 @@ class CPTCheckpointManager(CheckpointManager):
                 f.write(ledger.to_json())
         if not ledger.ok:
             raise ValueError(ledger.summary())
-        base = {k: v for k, v in state_dict.items() if not _OUR_ROUTING.match(k)}
+        base = {k: v for k, v in state_dict.items() if not OUR_ROUTING.match(k)}
         hf_state_dict = self.sd_adapter.to_hf(base)
         dcp.load(hf_state_dict, storage_reader=self.sd_adapter.get_hf_storage_reader(checkpoint_id, from_quantized))
         self.states[MODEL].load_state_dict(self.sd_adapter.from_hf(hf_state_dict))

@@ -33,7 +33,8 @@ from torch.utils.tensorboard import SummaryWriter
 from mhar_titan.checkpoint import complete_steps
 from mhar_titan.compare import paired_ci
 from mhar_titan.eval_tasks import write_task
-from mhar_titan.hf import DTYPES, export_hf, load_run_checkpoint, run_model_args
+from mhar_titan.hf.adapter import DTYPES
+from mhar_titan.hf.run import export_run, run_model_args
 
 ARMS = ("control", "mhar")
 REPORT_START, REPORT_END = "<!-- eval: start -->", "<!-- eval: end -->"
@@ -56,14 +57,13 @@ def common_step(pair: Path, step: int | None) -> int:
 def export_arm(pair: Path, arm: str, step: int, ema: bool, out: Path, dtype: str) -> Path:
     """The arm's weights at `step` as an HF folder (replaced if it exists), with the base's tokenizer."""
     run = pair / arm
-    model = load_run_checkpoint(str(run), step, ema=ema)
-    _, base = run_model_args(str(run))
+    args, base = run_model_args(str(run))
     if not base or not (Path(base) / "tokenizer.json").is_file():
         raise ValueError(f"{run}: its base {base!r} has no tokenizer.json to export with the model")
     shutil.rmtree(out, ignore_errors=True)
-    export_hf(model, str(out), base_path=base, dtype=DTYPES[dtype])
+    export_run(str(run), str(out), step=step, ema=ema, dtype=DTYPES[dtype], log=lambda line: print(f"{arm}: {line}"))
     model_type = json.loads((out / "config.json").read_text()).get("model_type")
-    if model.model_args.mhar.enable and model_type == "llama":  # transformers would drop the routing, silently
+    if args.mhar.enable and model_type == "llama":  # transformers would drop the routing, silently
         raise ValueError(f"{out}: the MHAR arm exported as model_type 'llama'; transformers would drop its routing")
     return out
 

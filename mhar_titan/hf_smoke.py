@@ -17,7 +17,9 @@ import time
 import torch
 
 from mhar_titan.config import MHAR
-from mhar_titan.hf import DTYPES, init_hf, load_hf_model
+from mhar_titan.hf.adapter import DTYPES
+from mhar_titan.hf.export import init_hf
+from mhar_titan.hf.load import load_hf_model
 
 
 def _peak_gib(device: torch.device) -> float | None:

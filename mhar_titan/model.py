@@ -37,7 +37,8 @@ class MHARModelArgs(TransformerModelArgs):
 
     def update_from_config(self, job_config: JobConfig, **kwargs) -> None:
         if job_config.model.flavor == HF_FLAVOR:
-            from mhar_titan.hf import model_args_from_hf_config, read_json
+            from mhar_titan.hf.adapter import model_args_from_hf_config
+            from mhar_titan.hf.ledger import read_json
 
             path = job_config.model.hf_assets_path.rstrip("/") + "/config.json"
             for f in dataclasses.fields(TransformerModelArgs):

@@ -14,7 +14,7 @@ from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 from data.loader import build_parquet_dataloader
-from mhar_titan.hf import MHARStateDictAdapter
+from mhar_titan.hf.adapter import MHARStateDictAdapter
 from mhar_titan.loss import build_loss_fn
 from mhar_titan.lr_schedule import build_lr_schedulers
 from mhar_titan.model import HF_FLAVOR, MHARModelArgs, MHARTransformer

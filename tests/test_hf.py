@@ -13,10 +13,13 @@ from safetensors.torch import load_file, save_file
 from tiny_runs import write_tiny_run
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mhar_titan import hf
 from mhar_titan.config import MHAR
-from mhar_titan.hf import export_hf, init_hf, inspect, load_hf_model, model_args_from_hf_config, read_json
-from mhar_titan.hf_files import SAFETENSORS_MAX_HEADER
+from mhar_titan.hf import __main__ as hf_cli
+from mhar_titan.hf.adapter import model_args_from_hf_config
+from mhar_titan.hf.export import export_hf, init_hf
+from mhar_titan.hf.files import SAFETENSORS_MAX_HEADER
+from mhar_titan.hf.ledger import read_json
+from mhar_titan.hf.load import inspect, load_hf_model
 
 VOCAB = 128
 
@@ -234,7 +237,7 @@ def test_inspect_cli_summarises_a_checkpoint(hf_dir):
 def test_init_writes_a_random_base_that_loads_back_exactly(tmp_path):
     import copy
 
-    from mhar_titan.hf import init_hf
+    from mhar_titan.hf.export import init_hf
     from mhar_titan.model import build_initialised
     from mhar_titan.train_spec import FLAVORS
 
@@ -353,10 +356,10 @@ def test_export_cli_checks_its_inputs_first_and_answers_in_one_line(tmp_path, ca
         ([str(run), str(tmp_path / "o2"), "--step", "7"], "no complete checkpoint for step 7; have [4]"),
     ]:
         with pytest.raises(SystemExit) as stop:
-            hf.main(["export", *argv])
+            hf_cli.main(["export", *argv])
         assert str(stop.value).startswith("python -m mhar_titan.hf export: ") and message in str(stop.value)
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
-    hf.main(["export", str(run), str(tmp_path / "o3"), "--dtype", "fp32"])
+    hf_cli.main(["export", str(run), str(tmp_path / "o3"), "--dtype", "fp32"])
     printed = capsys.readouterr()
     assert f"the run's base {tmp_path / 'no-base'} is not there: the export gets no tokenizer files" in printed.err
     assert "reading " in printed.out and (tmp_path / "o3" / "config.json").is_file()

@@ -8,10 +8,13 @@ import torch
 from test_hf import VOCAB, hf_config
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from mhar_titan.hf import export_hf, load_hf_model, model_args_from_hf_config, read_json
-from mhar_titan.hf_files import MHAR_LAYER_TYPE, MODELING_DIR, MODELING_FILES
-from mhar_titan.hf_modeling.configuration_mhar_llama import MHAR_LAYER_TYPE as MODELING_LAYER_TYPE
-from mhar_titan.hf_modeling.configuration_mhar_llama import MHARLlamaConfig
+from mhar_titan.hf.adapter import model_args_from_hf_config
+from mhar_titan.hf.export import export_hf
+from mhar_titan.hf.files import MHAR_LAYER_TYPE, MODELING_DIR, MODELING_FILES
+from mhar_titan.hf.ledger import read_json
+from mhar_titan.hf.load import load_hf_model
+from mhar_titan.hf.modeling.configuration_mhar_llama import MHAR_LAYER_TYPE as MODELING_LAYER_TYPE
+from mhar_titan.hf.modeling.configuration_mhar_llama import MHARLlamaConfig
 
 MHAR_CFG = {"enable": True, "num_heads": 4, "num_blocks": 2, "backend": "torch"}
 
@@ -146,14 +149,16 @@ def test_control_export_stays_plain_llama(base, tmp_path):
 
 
 def test_modeling_files_stand_alone():
-    """Only torch, transformers and each other: they are copied into exports that load without mhar_titan."""
+    """Only torch, transformers (and packaging, which transformers requires), the standard library and each
+    other: they are copied into exports that load without mhar_titan."""
+    allowed = {"__future__", "typing", "inspect", "torch", "transformers", "packaging"}
     for name in MODELING_FILES:
         tree = ast.parse(open(f"{MODELING_DIR}/{name}").read())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 0:
-                assert node.module.split(".")[0] in {"__future__", "typing", "torch", "transformers"}, node.module
+                assert node.module.split(".")[0] in allowed, node.module
             elif isinstance(node, ast.Import):
-                assert all(a.name.split(".")[0] in {"torch", "typing"} for a in node.names)
+                assert all(a.name.split(".")[0] in allowed for a in node.names)
     assert MHAR_LAYER_TYPE == MODELING_LAYER_TYPE
     with pytest.raises(ValueError, match="mhar.num_blocks = 3"):
         MHARLlamaConfig(mhar={"num_heads": 4, "num_blocks": 3}, **hf_config().to_dict())

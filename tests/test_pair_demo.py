@@ -7,7 +7,7 @@ import sys
 from conftest import REPO
 
 from mhar_titan.compare import compare
-from mhar_titan.hf import init_hf
+from mhar_titan.hf.export import init_hf
 
 
 def test_pair_from_an_hf_base_starts_identical_and_the_report_says_so(tmp_path):

@@ -3,7 +3,7 @@
 import torch
 from conftest import torchrun
 
-from mhar_titan.hf import load_run_checkpoint
+from mhar_titan.hf.run import load_run_checkpoint
 from mhar_titan.tensorboard_scalars import read_scalars
 
 FAST = ("--validation.no-enable", "--metrics.log_freq", "1")

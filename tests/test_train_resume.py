@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import REPO, process_tree, torchrun
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from mhar_titan.hf import load_run_checkpoint
+from mhar_titan.hf.run import load_run_checkpoint
 from mhar_titan.tensorboard_scalars import LOSS_TAG, read_scalars
 
 # A short schedule whose LR does not depend on how many steps each job runs.

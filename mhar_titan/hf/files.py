@@ -1,4 +1,5 @@
-"""Checks and file helpers for HF checkpoints (mhar_titan/hf.py), kept apart to keep hf.py small.
+"""Checks and file helpers for HF checkpoints: safetensors headers, RoPE fields, folder modes, config.json
+of an export, shards and their index.
 
 Each turns a bare parser error (JSONDecodeError, MemoryError, KeyError) into a ValueError that
 names the file and what is wrong with it, and output folders get the mode `mkdir` would give.
@@ -102,9 +103,9 @@ def chmod_like_mkdir(path: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# the MHAR arm's own HF architecture (mhar_titan/hf_modeling/)
+# the MHAR arm's own HF architecture (mhar_titan/hf/modeling/)
 
-MODELING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_modeling")
+MODELING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modeling")
 MODELING_FILES = ("configuration_mhar_llama.py", "modeling_mhar_llama.py")
 MHAR_MODEL_TYPE = "mhar_llama"
 MHAR_ARCHITECTURE = "MHARLlamaForCausalLM"
@@ -165,23 +166,36 @@ def mhar_settings(config: dict[str, Any], mhar: MHAR | dict[str, Any] | None, so
     return mhar
 
 
-def write_shards(state: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int) -> None:
-    """Sharded safetensors of at most max_shard_bytes each (one tensor per shard if larger), and the index."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
+def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """HF keys in sorted order, cut greedily into shards of at most max_shard_bytes (one tensor per shard if larger)."""
+    shards: list[list[str]] = [[]]
     size = 0
-    for key in sorted(state):
-        nbytes = state[key].numel() * state[key].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+    for key in sorted(sizes):
+        if shards[-1] and size + sizes[key] > max_shard_bytes:
+            shards.append([])
             size = 0
-        shards[-1][key] = state[key]
-        size += nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        shards[-1].append(key)
+        size += sizes[key]
+    return shards
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def write_index(out_dir: str, shards: list[list[str]], total_bytes: int) -> None:
+    weight_map = {key: shard_name(i, len(shards)) for i, keys in enumerate(shards) for key in keys}
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f, indent=2)
+
+
+def write_shards(state: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int) -> None:
+    """Sharded safetensors of at most max_shard_bytes each (one tensor per shard if larger), and the index."""
+    sizes = {key: t.numel() * t.element_size() for key, t in state.items()}
+    shards = plan_shards(sizes, max_shard_bytes)
+    for i, keys in enumerate(shards):
+        save_file(
+            {k: state[k] for k in keys}, os.path.join(out_dir, shard_name(i, len(shards))), metadata={"format": "pt"}
+        )
+    write_index(out_dir, shards, sum(sizes.values()))

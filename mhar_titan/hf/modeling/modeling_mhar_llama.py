@@ -17,15 +17,24 @@ only: the model stays causal per position and the KV cache works exactly as in L
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
+import transformers
+from packaging.version import Version
 from torch import nn
-from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask
-from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.models.llama.modeling_llama import (
+
+if Version(transformers.__version__) < Version("5.17"):
+    raise ImportError(
+        f"the MHAR model needs transformers >= 5.17 (5.17 and 5.24 tested); found {transformers.__version__}"
+    )
+
+from transformers import initialization as init  # noqa: E402 (after the version check: older releases lack it)
+from transformers.cache_utils import DynamicCache  # noqa: E402
+from transformers.masking_utils import create_causal_mask  # noqa: E402
+from transformers.modeling_outputs import BaseModelOutputWithPast  # noqa: E402
+from transformers.models.llama.modeling_llama import (  # noqa: E402
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaModel,
@@ -34,7 +43,10 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from .configuration_mhar_llama import MHARLlamaConfig
+from .configuration_mhar_llama import MHARLlamaConfig  # noqa: E402
+
+# The KV cache's argument name: `past_key_values` until transformers 5.2x renamed it `cache`.
+CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
 
 
 class MHARRoutingSite(nn.Module):
@@ -112,12 +124,12 @@ class MHARLlamaModel(MHARLlamaPreTrainedModel, LlamaModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
         """LlamaModel.forward, with the sources of the routing carried from layer to layer."""
+        cache = kwargs.pop(CACHE_ARG, None)
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -134,8 +146,8 @@ class MHARLlamaModel(MHARLlamaPreTrainedModel, LlamaModel):
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            cache=cache,
             position_ids=position_ids,
+            **{CACHE_ARG: cache},
         )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids=position_ids)
 
@@ -150,8 +162,8 @@ class MHARLlamaModel(MHARLlamaPreTrainedModel, LlamaModel):
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                cache=cache,
                 use_cache=use_cache,
+                **{CACHE_ARG: cache},
                 **kwargs,
             )
             if i >= self.config.num_hidden_layers - per_block:
@@ -160,7 +172,7 @@ class MHARLlamaModel(MHARLlamaPreTrainedModel, LlamaModel):
             if len(deltas) == per_block:
                 sources = [*sources, block_delta(deltas)]
                 deltas = []
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_ARG: cache})
 
 
 def block_delta(deltas: list[torch.Tensor]) -> torch.Tensor:
