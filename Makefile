@@ -38,19 +38,20 @@ demo: install
 	@echo "Report: $(DEMO_DIR)/compare/report.md"
 	@echo "TensorBoard: $(VENV)/bin/tensorboard --logdir $(DEMO_DIR)"
 
-# GPU only: the 8B-geometry routing microbatch, triton vs torch.compile vs eager, and a sweep.
+# GPU only: the 8B-geometry routing microbatch, the fused kernels' custom op (the training step's
+# path, the headline) and eager path vs torch.compile vs eager, and a sweep.
 # Uses .venv when there is one, else the python3 on PATH (GPU machines bring their own torch).
 bench-kernels:
-	$(if $(wildcard $(PY)),$(PY),python3) -m kernels.bench_routing
+	$(if $(wildcard $(PY)),$(PY),python3) -m benchmarks.bench_routing
 
 # GPU only: the training step of stock torchtitan, our control, MHAR (triton) and MHAR (compiled
-# routing) at the 8B width with 16 layers, side by side (python -m mhar_titan.bench_step --smoke: CPU plumbing).
+# routing) at the 8B width with 16 layers, side by side (python -m benchmarks.bench_step --smoke: CPU plumbing).
 bench-step:
-	$(if $(wildcard $(PY)),$(PY),python3) -m mhar_titan.bench_step
+	$(if $(wildcard $(PY)),$(PY),python3) -m benchmarks.bench_step
 
 # CPU: the parquet loader's tokens/s per rank on shards of real text.
 bench-data: install
-	$(PY) -m data.bench
+	$(PY) -m benchmarks.bench_data
 
 lint: install
 	$(PY) -m ruff check .

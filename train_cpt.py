@@ -3,7 +3,7 @@
 Runs torchtitan's trainer with this project's train spec and config sections,
 on GPUs or, when the host has none, on CPU processes over gloo.
 
-Under torchrun the worker first arms a parent-death signal (mhar_titan/lifetime.py), so a
+Under torchrun the worker first arms a parent-death signal (mhar_titan/components/lifetime.py), so a
 SIGKILLed agent takes its workers with it. That module is loaded by path, before torch:
 importing the `mhar_titan` package would take seconds (it registers the train spec).
 """
@@ -20,7 +20,7 @@ from pathlib import Path  # noqa: E402
 def _arm_parent_death_signal() -> None:
     """Die with the torchrun agent (SIGKILL included); exit now if it is already gone."""
     spec = importlib.util.spec_from_file_location(
-        "mhar_titan_lifetime_early", Path(__file__).resolve().parent / "mhar_titan" / "lifetime.py"
+        "mhar_titan_lifetime_early", Path(__file__).resolve().parent / "mhar_titan" / "components" / "lifetime.py"
     )
     lifetime = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lifetime)

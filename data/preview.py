@@ -14,11 +14,10 @@ from torchtitan.config import JobConfig
 
 from data.loader import Encoder, ParquetDataLoader, data_config
 from data.shards import BadShardError, NoDataError, check_shards, list_shards
+from mhar_titan.config import parse_config
 
 
 def main(argv: list[str] | None = None) -> None:
-    from mhar_titan.trainer import parse_config
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("--rank", type=int, default=0)

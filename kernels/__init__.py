@@ -1,5 +1,21 @@
-"""The routing op `mhar_route`: a torch reference and fused Triton kernels, with their benchmarks."""
+"""The routing op `mhar_route`: a torch reference and fused Triton kernels, one explicit backend argument."""
 
-from kernels.routing import BACKENDS, mhar_route, mhar_route_with_weights, route_torch, routing_source
+from kernels.routing import (
+    BACKENDS,
+    MAX_TRITON_SOURCES,
+    mhar_route,
+    mhar_route_with_weights,
+    resolve_backend,
+    route_torch,
+    routing_source,
+)
 
-__all__ = ["BACKENDS", "mhar_route", "mhar_route_with_weights", "route_torch", "routing_source"]
+__all__ = [
+    "BACKENDS",
+    "MAX_TRITON_SOURCES",
+    "mhar_route",
+    "mhar_route_with_weights",
+    "resolve_backend",
+    "route_torch",
+    "routing_source",
+]

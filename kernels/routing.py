@@ -1,4 +1,4 @@
-"""The delta-MHAR routing op (DESIGN.md sections 2 and 3).
+"""The delta-MHAR routing op and its explicit backend dispatch (docs/design.md sections 2 and 3).
 
     out = x + gate * R(sources),   R_[h] = sum_n softmax_n(<q_h, k_{n,[h]}>) * s_{n,[h]}
     k_n = s_n / rms(s_n) * g       (rms over the full width, fp32, eps = the model's norm eps)
@@ -6,8 +6,16 @@
 Source 0 is the site's learnable null vector z, broadcast over tokens; the
 caller's sources (embedding, then completed block deltas) follow in order.
 
-Backends: `torch` (`route_torch`, the plain reference every other backend is
-tested against) and `triton` (kernels/routing_triton.py, fused kernels).
+Backends, named by the caller (`backend=`), each one code path:
+- `torch`: `route_torch`, the plain reference every other backend is tested against;
+- `triton`: the fused kernels through an eager autograd.Function (kernels/triton/autograd.py,
+  `route_eager`), which sums the gradients of sources marked with `routing_source` in place.
+  Inside a torch.compile graph it is `triton_op`: autograd.py declares that substitution once,
+  with torch.compile's `substitute_in_graph` (the eager path cannot be traced), so per-block
+  compiled training runs the custom op, and the same model run eagerly runs this path;
+- `triton_op`: the same kernels through the custom op `torch.ops.mhar.route_fwd` (`route_op`),
+  in eager mode too;
+- `auto`: `triton` on CUDA, `torch` elsewhere.
 """
 
 from __future__ import annotations
@@ -16,8 +24,20 @@ from collections.abc import Sequence
 
 import torch
 
-BACKENDS = ("auto", "torch", "triton")
-MAX_TRITON_SOURCES = 8  # the kernels' source pointers: embedding + 7 block deltas (num_blocks <= 8)
+from kernels.triton.autograd import route_eager, route_op
+from kernels.triton.launch import MAX_SOURCES as MAX_TRITON_SOURCES
+from kernels.triton.shared import share_source_grad
+
+BACKENDS = ("auto", "torch", "triton", "triton_op")
+__all__ = [
+    "BACKENDS",
+    "MAX_TRITON_SOURCES",
+    "mhar_route",
+    "mhar_route_with_weights",
+    "resolve_backend",
+    "route_torch",
+    "routing_source",
+]
 
 
 def _check(x: torch.Tensor, sources: Sequence[torch.Tensor], query: torch.Tensor, num_heads: int) -> None:
@@ -65,7 +85,7 @@ def route_torch(
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """`auto`: the fused Triton kernels on CUDA, the reference elsewhere."""
+    """`auto`: the fused Triton kernels (eager path) on CUDA, the reference elsewhere."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
     if backend == "auto":
@@ -78,11 +98,10 @@ def routing_source(source: torch.Tensor, backend: str = "auto") -> torch.Tensor:
 
     With the triton backend, eager calls then add their gradients for it into one buffer
     inside their backward kernel, rather than autograd summing one new tensor per call.
-    Other backends, and code that only reads the tensor, see it unchanged.
+    Other backends (triton_op included: the custom op returns its gradients), and code
+    that only reads the tensor, see it unchanged.
     """
     if resolve_backend(backend, source.device) == "triton":
-        from kernels.routing_triton import share_source_grad
-
         return share_source_grad(source)
     return source
 
@@ -101,10 +120,11 @@ def mhar_route_with_weights(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`mhar_route` that also returns the routing weights [N, B, T, H] (fp32) for statistics."""
     _check(x, sources, query, num_heads)
-    if resolve_backend(backend, x.device) == "triton":
-        from kernels.routing_triton import route_triton
-
-        return route_triton(x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps)
+    backend = resolve_backend(backend, x.device)
+    if backend == "triton":
+        return route_eager(x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps)
+    if backend == "triton_op":
+        return route_op(x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps)
     return route_torch(x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps)
 
 

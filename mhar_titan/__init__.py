@@ -1,11 +1,6 @@
 """mhar-titan: torchtitan extension for 8B mid-training with delta-MHAR.
 
-Importing the package registers its train spec (`[model] name = "llama3_mhar"`),
-so stock torchtitan can also run it with `--experimental.custom_import=mhar_titan`.
+Importing the package (or any module of it but `mhar_titan.register`) has no side effects. train_cpt.py
+registers the train spec (`[model] name = "llama3_mhar"`) itself; stock torchtitan can run it with
+`--experimental.custom_import=mhar_titan.register`.
 """
-
-from mhar_titan.train_spec import MODEL_NAME, train_spec
-
-train_spec()
-
-__all__ = ["MODEL_NAME", "train_spec"]

@@ -6,47 +6,16 @@ command line names another module, so every job has these sections.
 
 from dataclasses import dataclass, field
 
+from torchtitan.config import ConfigManager
+from torchtitan.config import JobConfig as TitanJobConfig
+
 from data.config import DataConfig
-from kernels.routing import BACKENDS, MAX_TRITON_SOURCES
+from mhar_titan.components import fingerprint
+from mhar_titan.model.args import MHAR
 
-
-@dataclass
-class MHAR:
-    """`[mhar]`: delta multi-head attention residuals. The control arm has enable = false."""
-
-    enable: bool = False
-    num_heads: int = 8
-    """Routing heads H per site; must divide the model width."""
-    num_blocks: int = 8
-    """Blocks whose aggregated deltas become sources; must divide the layer count."""
-    backend: str = "auto"
-    """auto (triton on CUDA once built, torch elsewhere), torch or triton."""
-    lr_multiplier: float = 1.0
-    """Routing parameters train at lr * lr_multiplier, without weight decay."""
-    stats_freq: int = 10
-    """Log routing statistics to TensorBoard every this many steps (0: never)."""
-
-    def validate(self, dim: int, n_layers: int) -> None:
-        """Fail at start-up, naming the setting, on values the model cannot use (only when enabled)."""
-        if not self.enable:
-            return
-        if self.num_heads <= 0 or dim % self.num_heads:
-            raise ValueError(f"[mhar] num_heads = {self.num_heads} must be positive and divide the model width {dim}")
-        if self.num_blocks <= 0 or n_layers % self.num_blocks:
-            raise ValueError(
-                f"[mhar] num_blocks = {self.num_blocks} must be positive and divide the layer count {n_layers}"
-            )
-        if self.backend not in BACKENDS:
-            raise ValueError(f"[mhar] backend = {self.backend!r} must be one of {', '.join(BACKENDS)}")
-        if self.backend != "torch" and self.num_blocks > MAX_TRITON_SOURCES:
-            raise ValueError(
-                f"[mhar] num_blocks = {self.num_blocks}: the triton backend routes over at most "
-                f'{MAX_TRITON_SOURCES} blocks; use backend = "torch" for more'
-            )
-        if not self.lr_multiplier >= 0:
-            raise ValueError(f"[mhar] lr_multiplier = {self.lr_multiplier} must be >= 0")
-        if self.stats_freq < 0:
-            raise ValueError(f"[mhar] stats_freq = {self.stats_freq} must be >= 0 (0 turns statistics off)")
+MODEL_NAME = "llama3_mhar"
+CONFIG_MODULE = "mhar_titan.config"
+_CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-module")
 
 
 @dataclass
@@ -74,9 +43,9 @@ class EMA:
     """ema <- beta * ema + (1 - beta) * weights after every applied optimizer step."""
     every: int = 1
     """Update only at steps that are multiples of this, with beta**every: the same horizon at 1/every
-    of the cost (an fp32 read-modify-write of every weight shard, about 2.5% of an 8B step on one
-    H200). Between updates the EMA lags the weights by fewer than `every` steps; keep validation
-    and checkpoint intervals multiples of it."""
+    of the cost (each update is an fp32 read-modify-write of every weight shard; its share of an 8B
+    step is in docs/performance.md). Between updates the EMA lags the weights by fewer than `every`
+    steps; keep validation and checkpoint intervals multiples of it."""
 
 
 @dataclass
@@ -117,3 +86,24 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     validation: Validation = field(default_factory=Validation)
+
+
+def parse_config(argv: list[str]) -> TitanJobConfig:
+    """torchtitan's TOML + CLI parsing, with this project's config sections merged in."""
+    if not any(arg.split("=", 1)[0] in _CONFIG_MODULE_FLAGS for arg in argv):
+        argv = [*argv, f"--job.custom_config_module={CONFIG_MODULE}"]
+    config = ConfigManager().parse_args(argv)
+    if config.model.name != MODEL_NAME:
+        raise ValueError(f"[model] name = {config.model.name!r}: train_cpt.py trains {MODEL_NAME!r}")
+    if not config.training.max_norm > 0:  # clipping to 0 zeroes every gradient: a run that does not train
+        raise ValueError(f"[training] max_norm = {config.training.max_norm} must be > 0 (inf: no clipping)")
+    fingerprint.check_allow(config.checkpoint.allow_changes)  # at every start: a typo is seen at once
+    if config.checkpoint.last_save_in_hf:
+        # torchtitan's writer keys shards by the base's index (no routing tensors: the MHAR arm fails at its
+        # last step) and writes no config.json or tokenizer files (the control's folder is not loadable).
+        raise ValueError(
+            "[checkpoint] last_save_in_hf is not supported: it would write safetensors without config.json, "
+            "tokenizer files or (MHAR arm) the routing tensors. Keep the last checkpoint and export it: "
+            "python -m mhar_titan.hf export RUN_DIR OUT_DIR [--ema] [--dtype bf16]"
+        )
+    return config

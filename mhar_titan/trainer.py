@@ -14,25 +14,25 @@ import torchtitan.train as titan_train
 from torch.distributed.elastic.multiprocessing.errors import record
 from torchtitan.components.dataloader import DataloaderExhaustedError
 from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.config import ConfigManager, JobConfig
+from torchtitan.config import JobConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.train import Trainer
 
 from data.loader import gather_counters
-from mhar_titan import cpu, fingerprint
-from mhar_titan.checkpoint import CPTCheckpointManager, complete_steps
-from mhar_titan.ema import WeightEMA
-from mhar_titan.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch
-from mhar_titan.routing_stats import gather_routing_stats
-from mhar_titan.step_metrics import StepClock, flush, throughput
-from mhar_titan.train_spec import MODEL_NAME, train_spec
+from mhar_titan import cpu
+from mhar_titan.components import fingerprint
+from mhar_titan.components.checkpoint import CPTCheckpointManager, complete_steps
+from mhar_titan.components.ema import WeightEMA
+from mhar_titan.components.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch
+from mhar_titan.components.routing_stats import gather_routing_stats
+from mhar_titan.components.step_metrics import StepClock, flush, throughput
+from mhar_titan.config import parse_config
+from mhar_titan.train_spec import train_spec
 
-CONFIG_MODULE = "mhar_titan.config"
 MODEL_ARGS_FILE = "model_args.json"
 EMA_STATE = "ema"
-_CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-module")
 
 
 class CPTTrainer(Trainer):
@@ -122,6 +122,8 @@ class CPTTrainer(Trainer):
 
     @record
     def train(self) -> None:
+        """Forked from torchtitan 0.2.2 torchtitan/train.py, Trainer.train: the run checks and step-0
+        validation before the loop, and preemption, EMA and checkpoint handling inside it."""
         cfg = self.job_config
         changes = self._check_run()
         self.checkpointer.load(step=cfg.checkpoint.load_step)
@@ -191,6 +193,8 @@ class CPTTrainer(Trainer):
         raise Preempted(self.step, reason)
 
     def train_step(self, data_iterator) -> None:
+        """Forked from torchtitan 0.2.2 torchtitan/train.py, Trainer.train_step: global token counts, a
+        bad step (non-finite loss or norm, agreed by every rank) skipped rather than applied."""
         self.optimizers.zero_grad()
         batch_from = self.dataloader.batches
         microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
@@ -354,33 +358,13 @@ class CPTTrainer(Trainer):
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
 
-def parse_config(argv: list[str]) -> JobConfig:
-    """torchtitan's TOML + CLI parsing, with this project's config sections merged in."""
-    if not any(arg.split("=", 1)[0] in _CONFIG_MODULE_FLAGS for arg in argv):
-        argv = [*argv, f"--job.custom_config_module={CONFIG_MODULE}"]
-    config = ConfigManager().parse_args(argv)
-    if config.model.name != MODEL_NAME:
-        raise ValueError(f"[model] name = {config.model.name!r}: train_cpt.py trains {MODEL_NAME!r}")
-    if not config.training.max_norm > 0:  # clipping to 0 zeroes every gradient: a run that does not train
-        raise ValueError(f"[training] max_norm = {config.training.max_norm} must be > 0 (inf: no clipping)")
-    fingerprint.check_allow(config.checkpoint.allow_changes)  # at every start: a typo is seen at once
-    if config.checkpoint.last_save_in_hf:
-        # torchtitan's writer keys shards by the base's index (no routing tensors: the MHAR arm fails at its
-        # last step) and writes no config.json or tokenizer files (the control's folder is not loadable).
-        raise ValueError(
-            "[checkpoint] last_save_in_hf is not supported: it would write safetensors without config.json, "
-            "tokenizer files or (MHAR arm) the routing tensors. Keep the last checkpoint and export it: "
-            "python -m mhar_titan.hf export RUN_DIR OUT_DIR [--ema] [--dtype bf16]"
-        )
-    return config
-
-
 def run(argv: list[str], trainer_cls: type[CPTTrainer] = CPTTrainer) -> None:
     """Parse, train, and tear down, as torchtitan.train.main does for its Trainer."""
     init_logger()
     config = parse_config(argv)
+    spec = train_spec()  # registered here, where torchtitan's Trainer will look it up
     if cpu.should_activate():
-        cpu.activate([train_spec()])
+        cpu.activate([spec])
     trainer: CPTTrainer | None = None
     try:
         trainer = trainer_cls(config)

@@ -9,7 +9,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 # Without a GPU the Triton kernels run in Triton's interpreter; it is chosen when a
-# kernel is decorated, so before anything imports kernels.routing_triton.
+# kernel is decorated, so before anything imports kernels.triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -5,7 +5,7 @@ gradients its eager arm computes."""
 import torch
 from test_routing_triton import condition_scales
 
-from kernels.bench_routing import Microbatch, route_fns
+from benchmarks.bench_routing import Microbatch, route_fns
 
 
 def test_microbatch_arms_compute_the_same_gradients():

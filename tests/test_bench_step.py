@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mhar_titan.bench_step import ARMS, aggregate, arm_command
+from benchmarks.bench_step import ARMS, aggregate, arm_command
 
 
 def test_arms_share_everything_but_the_trainer_and_mhar(tmp_path):
@@ -27,7 +27,7 @@ def test_arms_share_everything_but_the_trainer_and_mhar(tmp_path):
     assert "--mhar.enable" not in control
     assert cmds["mhar_triton"][cmds["mhar_triton"].index("--mhar.backend") + 1] == "triton"
     assert cmds["mhar_compile"][cmds["mhar_compile"].index("--mhar.backend") + 1] == "torch"
-    assert cmds["stock"][cmds["stock"].index("-m", 3) + 1] == "mhar_titan.stock_titan"
+    assert cmds["stock"][cmds["stock"].index("-m", 3) + 1] == "benchmarks.stock_titan"
 
 
 def test_throughput_is_tokens_over_time_and_memory_the_peak():
@@ -46,7 +46,7 @@ def test_profiled_arms_trace_their_last_step(tmp_path):
 
 
 def test_trace_summary_sums_gpu_time_by_kernel_kind(tmp_path):
-    from mhar_titan.trace_summary import summarise
+    from benchmarks.trace_summary import summarise
 
     events = [
         {"ph": "X", "cat": "kernel", "name": "_route_fwd_kernel", "ts": 0, "dur": 1500},

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from mhar_titan import checkpoint
-from mhar_titan.checkpoint import CPTCheckpointManager, complete_steps
+from mhar_titan.components import checkpoint
+from mhar_titan.components.checkpoint import CPTCheckpointManager, complete_steps
 
 
 def make_folder(root, complete, partial):
@@ -38,7 +38,7 @@ def test_purge_keeps_the_last_k_complete_and_every_mth_and_drops_unfinished_writ
 @pytest.fixture
 def own_signal_handlers():
     """PreemptionWatch takes over SIGTERM/SIGUSR1: give pytest's back afterwards."""
-    from mhar_titan.preemption import SIGNALS
+    from mhar_titan.components.preemption import SIGNALS
 
     saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
     yield
@@ -50,7 +50,7 @@ def test_a_stop_file_from_an_earlier_job_is_removed_and_a_new_one_kept(tmp_path,
     import os
     import time
 
-    from mhar_titan.preemption import MARKER_FILE, STOP_FILE, PreemptionWatch
+    from mhar_titan.components.preemption import MARKER_FILE, STOP_FILE, PreemptionWatch
 
     watch = PreemptionWatch(str(tmp_path))
     (tmp_path / MARKER_FILE).write_text("{}")
@@ -71,7 +71,7 @@ def test_a_stop_file_from_an_earlier_job_is_removed_and_a_new_one_kept(tmp_path,
 def test_sigusr1_to_a_worker_is_a_stop_request(tmp_path, own_signal_handlers):
     import os
 
-    from mhar_titan.preemption import PreemptionWatch
+    from mhar_titan.components.preemption import PreemptionWatch
 
     watch = PreemptionWatch(str(tmp_path))
     assert watch.local_request() is None

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from mhar_titan.compare import compare, main
-from mhar_titan.compare_validation import paired_ci, t_quantile
-from mhar_titan.tensorboard_scalars import event_files, load_scalars, read_scalars
+from mhar_titan.compare.pair import compare, main
+from mhar_titan.compare.stats import paired_ci, t_quantile
+from mhar_titan.components.tensorboard_scalars import event_files, load_scalars, read_scalars
 
 N, SIGMA = 2000, 0.02
 FIRST_DELTA = 2.0**-16  # 2.5 and 2.5 + 2**-16 are both exact in float32

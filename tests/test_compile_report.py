@@ -1,4 +1,4 @@
-"""kernels.compile_report: the routing kernels compile for sm_90 on a CPU machine, and ptxas reports on them."""
+"""benchmarks.compile_report: the routing kernels compile for sm_90 on a CPU machine, and ptxas reports on them."""
 
 import os
 import re
@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_every_kernel_compiles_for_sm90_and_ptxas_reports_registers():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
     out = subprocess.run(
-        [sys.executable, "-m", "kernels.compile_report", "--sources", "2"],
+        [sys.executable, "-m", "benchmarks.compile_report", "--sources", "2"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=True,
     ).stdout  # fmt: skip
     rows = re.findall(r"^\| (fwd|stats|mix) \| [^|]+ \| (\d+) \| (\d+) \| (\d+) \|$", out, re.M)

@@ -6,8 +6,9 @@ import pytest
 import torch
 from conftest import REPO
 
-from mhar_titan.train_spec import FLAVORS, MODEL_NAME, build_train_spec
-from mhar_titan.trainer import CONFIG_MODULE, parse_config
+from mhar_titan.config import CONFIG_MODULE, MODEL_NAME, parse_config
+from mhar_titan.model.args import FLAVORS
+from mhar_titan.train_spec import build_train_spec
 
 
 def _parse(name: str, *overrides: str):

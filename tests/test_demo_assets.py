@@ -9,7 +9,7 @@ from conftest import REPO
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from data.shards import list_shards
-from mhar_titan.train_spec import FLAVORS
+from mhar_titan.model.args import FLAVORS
 
 ASSETS = REPO / "assets" / "tiny"
 

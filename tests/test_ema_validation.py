@@ -13,13 +13,12 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from data.config import DataConfig
 from data.loader import Encoder, ValidationLoader
 from data.shards import list_shards
-from mhar_titan.config import MHAR
-from mhar_titan.ema import WeightEMA, plain_name
-from mhar_titan.loss import ZLossCrossEntropy
-from mhar_titan.model import MHARTransformer, build_initialised
-from mhar_titan.train_spec import FLAVORS
-from mhar_titan.trainer import parse_config
-from mhar_titan.validate import FixedSetValidator, build_fixed_set_validator
+from mhar_titan.components.ema import WeightEMA, plain_name
+from mhar_titan.components.loss import ZLossCrossEntropy
+from mhar_titan.components.validate import FixedSetValidator, build_fixed_set_validator
+from mhar_titan.config import parse_config
+from mhar_titan.model.args import FLAVORS, MHAR
+from mhar_titan.model.model import MHARTransformer, build_initialised
 
 
 def tiny_model(seed: int, mhar: bool = True) -> MHARTransformer:

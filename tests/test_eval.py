@@ -9,10 +9,10 @@ import pytest
 from conftest import REPO
 from tiny_runs import write_tiny_run
 
-from mhar_titan import eval as pair_eval
-from mhar_titan.config import MHAR
-from mhar_titan.eval_tasks import TASK, cloze_items
+from mhar_titan.eval import pair as pair_eval
+from mhar_titan.eval.tasks import TASK, cloze_items
 from mhar_titan.hf.export import init_hf
+from mhar_titan.model.args import MHAR
 
 STEP, LIMIT = 4, 16
 

@@ -13,13 +13,12 @@ from safetensors.torch import load_file, save_file
 from tiny_runs import write_tiny_run
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mhar_titan.config import MHAR
 from mhar_titan.hf import __main__ as hf_cli
-from mhar_titan.hf.adapter import model_args_from_hf_config
 from mhar_titan.hf.export import export_hf, init_hf
 from mhar_titan.hf.files import SAFETENSORS_MAX_HEADER
 from mhar_titan.hf.ledger import read_json
 from mhar_titan.hf.load import inspect, load_hf_model
+from mhar_titan.model.args import MHAR, model_args_from_hf_config
 
 VOCAB = 128
 
@@ -184,7 +183,7 @@ def test_unrepresentable_configs_are_refused_by_field(override, field_name):
 
 
 def test_marin8b_config_gives_the_marin8b_flavor():
-    from mhar_titan.train_spec import FLAVORS
+    from mhar_titan.model.args import FLAVORS
 
     cfg = hf_config(
         hidden_size=4096,
@@ -205,7 +204,7 @@ def test_marin8b_config_gives_the_marin8b_flavor():
     args = model_args_from_hf_config(cfg.to_dict())
     want = FLAVORS["marin8b"]
     with torch.device("meta"):
-        from mhar_titan.model import MHARTransformer
+        from mhar_titan.model.model import MHARTransformer
 
         ours, flavor = MHARTransformer(args), MHARTransformer(want)
     assert [(k, v.shape) for k, v in ours.state_dict().items()] == [
@@ -238,8 +237,8 @@ def test_init_writes_a_random_base_that_loads_back_exactly(tmp_path):
     import copy
 
     from mhar_titan.hf.export import init_hf
-    from mhar_titan.model import build_initialised
-    from mhar_titan.train_spec import FLAVORS
+    from mhar_titan.model.args import FLAVORS
+    from mhar_titan.model.model import build_initialised
 
     seed = int(torch.randint(0, 2**31, ()))
     init_hf(str(tmp_path / "base"), "tiny", tokenizer_dir=str(REPO / "assets" / "tiny"), seed=seed)
@@ -254,8 +253,8 @@ def test_init_writes_a_random_base_that_loads_back_exactly(tmp_path):
 
 
 def test_hf_smoke_writes_loads_both_arms_and_finds_identical_logits(capsys):
-    from mhar_titan.hf_smoke import main as smoke_main
-    from mhar_titan.train_spec import FLAVORS
+    from benchmarks.hf_smoke import main as smoke_main
+    from mhar_titan.model.args import FLAVORS
 
     smoke_main(["--flavor", "tiny", "--num-blocks", "2", "--tokens", "16", "--dtype", "fp32"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

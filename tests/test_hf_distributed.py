@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from data.loader import ParquetDataLoader, data_config
 from data.shards import list_shards
+from mhar_titan.components.tensorboard_scalars import read_scalars
+from mhar_titan.config import parse_config
 from mhar_titan.hf.ledger import read_json
 from mhar_titan.hf.load import load_hf_model
 from mhar_titan.hf.run import load_run_checkpoint
-from mhar_titan.tensorboard_scalars import read_scalars
-from mhar_titan.trainer import parse_config
 
 SEQ, BATCH = 64, 2
 

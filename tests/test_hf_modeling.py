@@ -8,13 +8,13 @@ import torch
 from test_hf import VOCAB, hf_config
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from mhar_titan.hf.adapter import model_args_from_hf_config
 from mhar_titan.hf.export import export_hf
 from mhar_titan.hf.files import MHAR_LAYER_TYPE, MODELING_DIR, MODELING_FILES
 from mhar_titan.hf.ledger import read_json
 from mhar_titan.hf.load import load_hf_model
 from mhar_titan.hf.modeling.configuration_mhar_llama import MHAR_LAYER_TYPE as MODELING_LAYER_TYPE
 from mhar_titan.hf.modeling.configuration_mhar_llama import MHARLlamaConfig
+from mhar_titan.model.args import model_args_from_hf_config
 
 MHAR_CFG = {"enable": True, "num_heads": 4, "num_blocks": 2, "backend": "torch"}
 

@@ -1,4 +1,4 @@
-"""Workers die with their torchrun agent (mhar_titan/lifetime.py): a parent-death SIGKILL, armed first
+"""Workers die with their torchrun agent (mhar_titan/components/lifetime.py): a parent-death SIGKILL, armed first
 thing in train_cpt.py, and an orphan that missed it exits at once. Linux only (prctl)."""
 
 import os
@@ -15,9 +15,10 @@ from conftest import REPO, process_tree
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 
 # Loads lifetime.py by path, as train_cpt.py does: without the package's multi-second import.
+LIFETIME = REPO / "mhar_titan" / "components" / "lifetime.py"
 LOAD = textwrap.dedent(f"""
     import importlib.util, os, sys, time
-    spec = importlib.util.spec_from_file_location("lifetime", {str(REPO / "mhar_titan" / "lifetime.py")!r})
+    spec = importlib.util.spec_from_file_location("lifetime", {str(LIFETIME)!r})
     lifetime = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lifetime)
 """)

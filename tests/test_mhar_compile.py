@@ -8,10 +8,9 @@ from torch._dynamo.utils import counters
 from torchtitan.config.job_config import Compile
 from torchtitan.models.llama3.infra.parallelize import apply_compile
 
-from mhar_titan.config import MHAR
-from mhar_titan.model import MHARTransformer
-from mhar_titan.parallelize import allow_routing_graphs
-from mhar_titan.train_spec import FLAVORS
+from mhar_titan.model.args import FLAVORS, MHAR
+from mhar_titan.model.model import MHARTransformer
+from mhar_titan.model.parallelize import allow_routing_graphs
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

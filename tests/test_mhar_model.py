@@ -1,4 +1,5 @@
-"""The grafted model: identity at init, DESIGN.md's source lists, settings, groups, statistics."""
+"""The grafted model: identity at init, the source lists (docs/design.md section 2.2), settings, groups,
+statistics."""
 
 import copy
 import math
@@ -10,13 +11,12 @@ from conftest import REPO
 from torchtitan.config import Optimizer as OptimizerConfig
 from torchtitan.models.llama3.model.model import Transformer
 
-import mhar_titan.model as model_mod
-from mhar_titan.config import MHAR
-from mhar_titan.lr_schedule import build_lr_schedulers
-from mhar_titan.model import MHARTransformer
-from mhar_titan.optimizer import build_optimizers
-from mhar_titan.train_spec import FLAVORS
-from mhar_titan.trainer import parse_config
+import mhar_titan.model.model as model_mod
+from mhar_titan.components.lr_schedule import build_lr_schedulers
+from mhar_titan.components.optimizer import build_optimizers
+from mhar_titan.config import parse_config
+from mhar_titan.model.args import FLAVORS, MHAR
+from mhar_titan.model.model import MHARTransformer
 
 SEQ = 32
 

@@ -6,7 +6,7 @@ import sys
 
 from conftest import REPO
 
-from mhar_titan.compare import compare
+from mhar_titan.compare.pair import compare
 from mhar_titan.hf.export import init_hf
 
 

@@ -5,16 +5,16 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-import kernels.routing_triton as rt
-from mhar_titan.parallelize import keep_routing_outputs
+import kernels.triton.host as rt
+from mhar_titan.model.parallelize import keep_routing_outputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_full_ac_keeps_routing_outputs_and_changes_no_number(monkeypatch):
     calls = []
-    forward = rt._forward
-    monkeypatch.setattr(rt, "_forward", lambda *a: calls.append(1) or forward(*a))
+    forward = rt.forward
+    monkeypatch.setattr(rt, "forward", lambda *a: calls.append(1) or forward(*a))
     B, T, d, H = 2, 5, 24, 8
     x, emb, delta = (torch.randn(B, T, d, device=DEVICE, requires_grad=True) for _ in range(3))
     params = [torch.randn(n, device=DEVICE, requires_grad=True) for n in (d, d, d, 1)]

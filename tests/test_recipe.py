@@ -8,11 +8,10 @@ import torch
 from torchtitan.config import LRScheduler
 from torchtitan.config import Optimizer as OptimizerConfig
 
-from mhar_titan.config import MHAR
-from mhar_titan.lr_schedule import build_lr_schedulers
-from mhar_titan.model import MHARTransformer
-from mhar_titan.optimizer import build_optimizers, decay_split
-from mhar_titan.train_spec import FLAVORS
+from mhar_titan.components.lr_schedule import build_lr_schedulers
+from mhar_titan.components.optimizer import build_optimizers, decay_split
+from mhar_titan.model.args import FLAVORS, MHAR
+from mhar_titan.model.model import MHARTransformer
 
 PEAK, WARMUP, END, MIN = 4e-4, 10, 50, 0.01
 
@@ -88,7 +87,7 @@ def test_weight_decay_split_on_the_8b_model():
 def test_z_loss_is_the_coefficient_times_mean_squared_logsumexp():
     from torchtitan.components.loss import IGNORE_INDEX, cross_entropy_loss
 
-    from mhar_titan.loss import ZLossCrossEntropy
+    from mhar_titan.components.loss import ZLossCrossEntropy
 
     logits = torch.randn(3, 7, 50) * 4
     labels = torch.randint(0, 50, (3, 7))

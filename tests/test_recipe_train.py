@@ -3,8 +3,8 @@
 import torch
 from conftest import torchrun
 
+from mhar_titan.components.tensorboard_scalars import read_scalars
 from mhar_titan.hf.run import load_run_checkpoint
-from mhar_titan.tensorboard_scalars import read_scalars
 
 FAST = ("--validation.no-enable", "--metrics.log_freq", "1")
 

@@ -1,4 +1,4 @@
-"""The routing op against an independent float64 evaluation of DESIGN.md section 2."""
+"""The routing op against an independent float64 evaluation of docs/design.md section 2."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from kernels.routing import mhar_route, mhar_route_with_weights
 
 
 def route_f64(x, sources, null, query, norm_weight, gate, num_heads, eps):
-    """DESIGN.md's formulas token by token, head by head, source by source, in float64.
+    """docs/design.md's formulas token by token, head by head, source by source, in float64.
 
     Written with scalar tensor ops (differentiable), independently of kernels/routing.py.
     """

@@ -7,12 +7,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from torchtitan.config import Optimizer as OptimizerConfig
 
-import kernels.routing_triton as rt
+import kernels.triton.launch as rt
 from kernels.routing import mhar_route_with_weights, routing_source
-from mhar_titan.config import MHAR
-from mhar_titan.model import MHARTransformer
-from mhar_titan.optimizer import build_optimizers
-from mhar_titan.train_spec import FLAVORS
+from mhar_titan.components.optimizer import build_optimizers
+from mhar_titan.model.args import FLAVORS, MHAR
+from mhar_titan.model.model import MHARTransformer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (H, d, number of caller sources = N - 1, T): odd T, widths that are not powers of two, N from 2 to 9,
@@ -64,7 +63,7 @@ def names(S):
 def condition_scales(leaves, S, H, grad_out, eps=1e-5):
     """Float64 scales for the parameter and source gradients: each is a sum (over rows, sources,
     the softmax's (c - dot) difference, or a source gradient's three terms) whose terms can
-    cancel, so it is only as exact as their magnitudes. This is the backward of DESIGN.md's
+    cancel, so it is only as exact as their magnitudes. This is the backward of docs/design.md's
     formulas with every product and sum taken in absolute value; errors of these gradients
     are measured against it instead of against the (possibly much smaller) result: where a
     source's gradient cancels, the torch backend's own fp32 error exceeds 1e-5 of it."""
@@ -82,7 +81,7 @@ def condition_scales(leaves, S, H, grad_out, eps=1e-5):
     t = (dl.unsqueeze(-1) * rstd.unsqueeze(-1) * sh.abs()).sum(dim=(0, 1, 2)).flatten()  # over sources and rows
     dz_mix = gate.abs() * (w[0].unsqueeze(-1) * do).sum(dim=(0, 1)).flatten()
     dz_norm = rstd[0, 0, 0] * (q * g).abs() * dl[0].sum(dim=(0, 1)).repeat_interleave(K)
-    # a source's gradient, A dout + B (q g) - C s (routing_triton's stats kernel), term by term
+    # a source's gradient, A dout + B (q g) - C s (kernels/triton/backward.py's stats kernel), term by term
     qg = (q * g).abs().view(H, K)
     a = (sh.abs() * qg).sum(-1)  # |<(q g)_h, s_n,h>| bound
     coupling = rstd**3 * (dl * a).sum(-1, keepdim=True) / x.shape[-1]  # [N, B, T, 1]
@@ -103,8 +102,8 @@ def scale_of(name, ref, scales):
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every buffer the op allocates starts as NaN, so an unwritten element shows."""
-    monkeypatch.setattr(rt, "_empty", lambda *a, **k: torch.full(*a, float("nan"), **k))
-    monkeypatch.setattr(rt, "_empty_like", lambda t: torch.full_like(t, float("nan")))
+    monkeypatch.setattr(rt, "empty", lambda *a, **k: torch.full(*a, float("nan"), **k))
+    monkeypatch.setattr(rt, "empty_like", lambda t: torch.full_like(t, float("nan")))
 
 
 @pytest.mark.parametrize("H,d,S,T", SHAPES)
@@ -166,8 +165,8 @@ def test_checkpointed_call_runs_its_forward_once_with_the_same_gradients(monkeyp
     leaves = site(H, 40, S, 5, torch.float32)
     grad_out = torch.randn_like(leaves[0])
     launches = []
-    forward = rt._launch_fwd
-    monkeypatch.setattr(rt, "_launch_fwd", lambda *a, **k: (launches.append(1), forward(*a, **k)))
+    forward = rt.fwd_launcher
+    monkeypatch.setattr(rt, "fwd_launcher", lambda *a, **k: (launches.append(1), forward(*a, **k)))
 
     def call(x, *rest):
         return mhar_route_with_weights(x, rest[:S], *rest[S:], num_heads=H, eps=1e-5, backend="triton")[0]

@@ -3,8 +3,8 @@
 import pytest
 from conftest import torchrun
 
-from mhar_titan.model import SITE_NAMES, STAT_NAMES
-from mhar_titan.tensorboard_scalars import read_scalars
+from mhar_titan.components.tensorboard_scalars import read_scalars
+from mhar_titan.model.model import SITE_NAMES, STAT_NAMES
 
 
 def test_mhar_tiny_trains_moves_its_gates_and_logs_routing_stats(tmp_path):
@@ -37,7 +37,7 @@ def test_mhar_tiny_trains_moves_its_gates_and_logs_routing_stats(tmp_path):
 def _source_tags(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from mhar_titan.tensorboard_scalars import event_files
+    from mhar_titan.components.tensorboard_scalars import event_files
 
     acc = EventAccumulator(str(event_files(run)[0]))
     acc.Reload()

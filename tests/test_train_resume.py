@@ -17,8 +17,8 @@ import torch.distributed.checkpoint as dcp
 from conftest import REPO, process_tree, torchrun
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from mhar_titan.components.tensorboard_scalars import LOSS_TAG, read_scalars
 from mhar_titan.hf.run import load_run_checkpoint
-from mhar_titan.tensorboard_scalars import LOSS_TAG, read_scalars
 
 # A short schedule whose LR does not depend on how many steps each job runs.
 SCHEDULE = ("--lr_scheduler.total_steps", "8", "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "4")

@@ -10,11 +10,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from mhar_titan import fingerprint
-from mhar_titan.checkpoint import DamagedCheckpoint, DataOnlyLoadPlanner, verify_checkpoint
-from mhar_titan.checksums import MANIFEST_DIR, verify_share, write_manifest
-from mhar_titan.train_spec import FLAVORS
-from mhar_titan.trainer import CPTTrainer, parse_config
+from mhar_titan.components import fingerprint
+from mhar_titan.components.checkpoint import DamagedCheckpoint, DataOnlyLoadPlanner, verify_checkpoint
+from mhar_titan.components.checksums import MANIFEST_DIR, verify_share, write_manifest
+from mhar_titan.config import parse_config
+from mhar_titan.model.args import FLAVORS
+from mhar_titan.trainer import CPTTrainer
 
 
 def fake_checkpoint(folder, ranks: int = 2):

@@ -7,9 +7,8 @@ import json
 import torch
 import torch.distributed.checkpoint as dcp
 
-from mhar_titan.config import MHAR
-from mhar_titan.model import build_initialised
-from mhar_titan.train_spec import FLAVORS
+from mhar_titan.model.args import FLAVORS, MHAR
+from mhar_titan.model.model import build_initialised
 
 
 def write_tiny_run(run, base, mhar: MHAR, seed: int, step: int) -> None:

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out: Llama-3.x safetensors, graft-aware.
 
 Reading (load.py, ledger.py): config.json becomes model arguments (or a refusal naming the field,
-adapter.py), and every checkpoint tensor is accounted for in a load ledger: loaded, newly initialised
+mhar_titan/model/hf_config.py), and every checkpoint tensor is accounted for in a load ledger: loaded, newly initialised
 (the MHAR routing parameters), unused. A missing base tensor, a shape or dtype mismatch or an unused
 tensor fails the load with the ledger.
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mhar_titan.config import MHAR
-from mhar_titan.hf.adapter import DTYPES
 from mhar_titan.hf.export import init_hf
+from mhar_titan.hf.files import DTYPES
 from mhar_titan.hf.load import inspect
 from mhar_titan.hf.run import export_run
+from mhar_titan.model.args import MHAR
 
 
 def main(argv: list[str] | None = None) -> None:

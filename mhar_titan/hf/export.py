@@ -14,20 +14,13 @@ from typing import Any
 import fsspec
 import torch
 
-from mhar_titan.config import MHAR
-from mhar_titan.ema import plain_name
-from mhar_titan.hf.adapter import (
-    DTYPE_NAMES,
-    HF_ROUTING,
-    OUR_ROUTING,
-    TOKENIZER_FILES,
-    MHARStateDictAdapter,
-    hf_config_from_model_args,
-)
-from mhar_titan.hf.files import chmod_like_mkdir, copy_modeling_files, export_config, write_shards
+from mhar_titan.components.ema import plain_name
+from mhar_titan.hf.files import TOKENIZER_FILES, chmod_like_mkdir, copy_modeling_files, export_config, write_shards
 from mhar_titan.hf.ledger import join, read_json
-from mhar_titan.model import MHARModelArgs, MHARTransformer, build_initialised
-from mhar_titan.train_spec import FLAVORS
+from mhar_titan.model.args import FLAVORS, MHAR, MHARModelArgs
+from mhar_titan.model.hf_config import DTYPE_NAMES, hf_config_from_model_args
+from mhar_titan.model.model import MHARTransformer, build_initialised
+from mhar_titan.model.state_dict_adapter import HF_ROUTING, OUR_ROUTING, MHARStateDictAdapter
 
 
 def refuse_open_gates(gates: dict[str, torch.Tensor]) -> None:

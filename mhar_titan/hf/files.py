@@ -16,13 +16,15 @@ from typing import Any
 import fsspec
 import torch
 from safetensors.torch import save_file
-from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
-from mhar_titan.config import MHAR
+from mhar_titan.model.args import MHAR
+from mhar_titan.model.hf_config import MHAR_ARCHITECTURE, MHAR_MODEL_TYPE
 
 # The safetensors format caps the header at 100 MB (MAX_HEADER_SIZE in the safetensors crate).
 SAFETENSORS_MAX_HEADER = 100_000_000
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # CLI names
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 def safetensors_header(path: str) -> dict[str, Any]:
@@ -64,25 +66,6 @@ def safetensors_header(path: str) -> dict[str, Any]:
     return header
 
 
-def llama3_rope_scaling(rope: dict[str, Any], source: str, field_name: str = "rope_scaling") -> RoPEScalingArgs:
-    """torchtitan's RoPE scaling arguments for an HF llama3 `rope_scaling` block, or a ValueError naming the key."""
-    for key in LLAMA3_ROPE_KEYS:
-        if key not in rope:
-            raise ValueError(
-                f"{source}: {field_name}.{key} is missing (rope type llama3 needs {', '.join(LLAMA3_ROPE_KEYS)})"
-            )
-    try:
-        return RoPEScalingArgs(
-            scaling_factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
-    except (TypeError, ValueError):
-        values = {k: rope[k] for k in LLAMA3_ROPE_KEYS}
-        raise ValueError(f"{source}: {field_name}: {values} are not all numbers") from None
-
-
 def umask() -> int:
     """The process umask, read without changing it where Linux shows it (/proc/self/status)."""
     try:
@@ -107,8 +90,6 @@ def chmod_like_mkdir(path: str) -> None:
 
 MODELING_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modeling")
 MODELING_FILES = ("configuration_mhar_llama.py", "modeling_mhar_llama.py")
-MHAR_MODEL_TYPE = "mhar_llama"
-MHAR_ARCHITECTURE = "MHARLlamaForCausalLM"
 MHAR_LAYER_TYPE = "mhar_delta"  # configuration_mhar_llama.MHAR_LAYER_TYPE: what a plain LlamaConfig refuses
 MHAR_CONFIG_KEYS = ("auto_map", "mhar", "layer_types")
 

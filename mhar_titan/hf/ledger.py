@@ -10,8 +10,9 @@ from typing import Any
 import fsspec
 import torch
 
-from mhar_titan.hf.adapter import DTYPE_NAMES, OUR_ROUTING, ROUTING_INIT, SAFETENSORS_DTYPES, MHARStateDictAdapter
-from mhar_titan.hf.files import safetensors_header
+from mhar_titan.hf.files import SAFETENSORS_DTYPES, safetensors_header
+from mhar_titan.model.hf_config import DTYPE_NAMES
+from mhar_titan.model.state_dict_adapter import OUR_ROUTING, ROUTING_INIT, MHARStateDictAdapter
 
 
 def join(path: str, name: str) -> str:

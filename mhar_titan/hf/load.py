@@ -8,12 +8,13 @@ import fsspec
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 
-from mhar_titan.config import MHAR
-from mhar_titan.ema import plain_name
-from mhar_titan.hf.adapter import MHARStateDictAdapter, ffn_hidden, model_args_from_hf_config
+from mhar_titan.components.ema import plain_name
 from mhar_titan.hf.files import mhar_settings
 from mhar_titan.hf.ledger import build_ledger, checkpoint_files, join, read_json
-from mhar_titan.model import MHARTransformer
+from mhar_titan.model.args import MHAR, model_args_from_hf_config
+from mhar_titan.model.hf_config import ffn_hidden
+from mhar_titan.model.model import MHARTransformer
+from mhar_titan.model.state_dict_adapter import MHARStateDictAdapter
 
 
 def model_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:

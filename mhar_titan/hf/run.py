@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 from collections.abc import Callable
 
@@ -16,14 +15,15 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
-from mhar_titan.checksums import verify_share
-from mhar_titan.config import MHAR
-from mhar_titan.ema import plain_name
-from mhar_titan.hf.adapter import HF_ROUTING, OUR_ROUTING, MHARStateDictAdapter
+from mhar_titan.components.checkpoint import complete_steps
+from mhar_titan.components.checksums import verify_share
+from mhar_titan.components.ema import plain_name
 from mhar_titan.hf.export import folder_config, refuse_open_gates, write_folder
 from mhar_titan.hf.files import plan_shards, shard_name, write_index
 from mhar_titan.hf.ledger import join, read_json
-from mhar_titan.model import MHARModelArgs, MHARTransformer, build_initialised
+from mhar_titan.model.args import MHAR, MHARModelArgs
+from mhar_titan.model.model import MHARTransformer, build_initialised
+from mhar_titan.model.state_dict_adapter import HF_ROUTING, OUR_ROUTING, MHARStateDictAdapter
 
 
 def run_model_args(run_dir: str) -> tuple[MHARModelArgs, str | None]:
@@ -41,11 +41,7 @@ def run_model_args(run_dir: str) -> tuple[MHARModelArgs, str | None]:
 def checkpoint_step_dir(run_dir: str, step: int | None = None) -> str:
     """The run's checkpoint folder for `step` (default: the latest complete one)."""
     folder = os.path.join(run_dir, "checkpoint")
-    steps = sorted(
-        int(m[1])
-        for name in (os.listdir(folder) if os.path.isdir(folder) else [])
-        if (m := re.fullmatch(r"step-(\d+)", name)) and os.path.isfile(os.path.join(folder, name, ".metadata"))
-    )
+    steps = complete_steps(folder)
     if not steps:
         raise FileNotFoundError(f"{folder}: no complete checkpoint (step-N with .metadata)")
     if step is None:

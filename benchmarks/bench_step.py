@@ -1,0 +1,148 @@
+"""`make bench-step`: the real training step of four arms at one geometry, side by side in one run.
+
+- stock: torchtitan 0.2.2's own llama3 Trainer, loss and optimizer (mhar_titan/stock_titan.py);
+- control: train_cpt.py with MHAR off (z-loss, EMA, grouped AdamW, our metrics);
+- mhar_triton: MHAR with the fused Triton routing kernels;
+- mhar_compile: MHAR with the plain routing compiled by torch.compile inside each block.
+
+Each arm is its own torchrun job (FSDP2 on `--nproc` ranks) on the same data, reading back
+tokens/s per device, MFU (torchtitan's formula: 6 x parameters + attention flops per token over
+the device's peak bf16 flops) and peak active memory from its TensorBoard log, over the steps
+after `--warmup`: throughput as tokens over time (a harmonic mean, so periodic work such as an
+EMA update every 10 steps counts at its real share), memory as the peak. Default geometry: the
+8B width cut to 16 layers, seq 4096, microbatch 2, bf16 compute, full activation checkpointing,
+per-block compile, 4 MHAR blocks, EMA every 10 steps as in configs/marin8b_*.toml.
+`--smoke` runs the tiny flavor on CPU for a few steps (plumbing only, no speed figure).
+`--profile` also traces each arm's last step with torchtitan's profiler (the two steps it
+takes are left out of the throughput) and prints GPU time by kernel kind, arm beside arm.
+
+    python -m benchmarks.bench_step [--arms stock,control,...] [--steps 14] [--warmup 4] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.trace_summary import print_side_by_side, summarise
+from mhar_titan.components.tensorboard_scalars import read_scalars
+
+REPO = Path(__file__).resolve().parents[1]
+ARMS = {
+    "stock": ["-m", "benchmarks.stock_titan", "--model.name", "llama3_stock"],
+    "control": [str(REPO / "train_cpt.py")],
+    "mhar_triton": [str(REPO / "train_cpt.py"), "--mhar.enable", "--mhar.backend", "triton"],
+    "mhar_compile": [str(REPO / "train_cpt.py"), "--mhar.enable", "--mhar.backend", "torch"],
+}
+# (ours, stock) TensorBoard tags
+TAGS = {
+    "tokens_per_s": ("tokens_per_s", "throughput(tps)", "rate"),
+    "mfu": ("mfu", "mfu(%)", "rate"),
+    "peak_active_gib": ("memory/peak_active_gib", "memory/max_active(GiB)", "peak"),
+}
+GPU = [
+    "--model.flavor", "marin8b_16l", "--training.seq_len", "4096", "--training.local_batch_size", "2",
+    "--training.mixed_precision_param", "bfloat16", "--optimizer.implementation", "fused",
+    "--compile.enable", "--compile.components", "model,loss",
+    "--ema.beta", "0.999", "--ema.every", "10",  # as in configs/marin8b_*.toml
+]  # fmt: skip
+SMOKE = ["--model.flavor", "tiny", "--training.seq_len", "128", "--training.local_batch_size", "2"]
+BLOCKS = {False: ["--mhar.num_blocks", "4"], True: ["--mhar.num_blocks", "2"]}  # keyed by smoke
+
+
+def arm_command(arm: str, run: Path, nproc: int, steps: int, smoke: bool, profile: bool = False) -> list[str]:
+    common = [
+        "--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--job.dump_folder", str(run),
+        "--job.custom_config_module", "mhar_titan.config", "--training.steps", str(steps),
+        "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.total_steps", str(steps), "--metrics.log_freq", "1",
+        "--checkpoint.no-enable", "--validation.no-enable", "--activation_checkpoint.mode", "full",
+    ]  # fmt: skip
+    geometry = SMOKE if smoke else GPU
+    if arm != "stock":  # torchtitan's own model knows no [mhar]
+        geometry = [*geometry, *BLOCKS[smoke]]
+    if profile:  # trace the last step, after one profiler warm-up step
+        geometry = [
+            *geometry, "--profiling.enable_profiling", "--profiling.profile_freq", str(steps),
+            "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1",
+        ]  # fmt: skip
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return [*launcher, *ARMS[arm], *common, *geometry]
+
+
+def aggregate(series: dict[int, float], warmup: int, how: str, last: int | None = None) -> float:
+    """Over the steps after `warmup` (up to `last`): "rate" -> harmonic mean (every step has the
+    same tokens, so this is total tokens over total time), "peak" -> max."""
+    timed = [v for step, v in series.items() if step > warmup and (last is None or step <= last)]
+    if not timed:
+        raise ValueError(f"no steps after the {warmup} warm-up steps")
+    return statistics.harmonic_mean(timed) if how == "rate" else max(timed)
+
+
+def run_arm(
+    arm: str, out: Path, nproc: int, steps: int, warmup: int, smoke: bool, profile: bool = False
+) -> dict[str, float]:
+    run = out / arm
+    shutil.rmtree(run, ignore_errors=True)
+    cmd = arm_command(arm, run, nproc, steps, smoke, profile)
+    print(f"[{arm}] {' '.join(cmd)}", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if smoke:  # the Triton kernels run in Triton's interpreter on a CPU
+        env.setdefault("TRITON_INTERPRET", "1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    (out / f"{arm}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"[{arm}] exited {proc.returncode}; log in {out / f'{arm}.log'}:\n{proc.stderr[-3000:]}")
+    which = 1 if arm == "stock" else 0
+    last = steps - 2 if profile else None
+    return {name: aggregate(read_scalars(run, tags[which]), warmup, tags[2], last) for name, tags in TAGS.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--steps", type=int, default=14, help="with --warmup 4: ten timed steps, one EMA update")
+    parser.add_argument("--warmup", type=int, default=4, help="steps left out of the figures (compile, caches)")
+    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--out", default="runs/bench-step")
+    parser.add_argument("--smoke", action="store_true", help="tiny flavor on CPU: the plumbing, not a speed")
+    parser.add_argument("--profile", action="store_true", help="trace each arm's last step; GPU time by kernel kind")
+    args = parser.parse_args(argv)
+    arms = args.arms.split(",")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        parser.error(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
+    if args.profile and args.smoke:
+        parser.error("--profile needs a GPU (torchtitan 0.2.2's profiler asks for CUDA activity)")
+    if args.warmup >= args.steps - (2 if args.profile else 0):
+        parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    results = {arm: run_arm(arm, out, args.nproc, args.steps, args.warmup, args.smoke, args.profile) for arm in arms}
+
+    base = "control" if "control" in results else arms[0]
+    print(f"\nsteps {args.warmup + 1}..{args.steps} (tokens over time, peak memory); ratios to {base} (and to stock)")
+    head = ("arm", "tokens/s/dev", "MFU %", "peak GiB", "tps ratio", "mem ratio", "vs stock")
+    print(f"{head[0]:<14}" + "".join(f"{h:>12}" for h in head[1:]))
+    for arm, r in results.items():
+        vs_stock = f"{r['tokens_per_s'] / results['stock']['tokens_per_s']:.3f}" if "stock" in results else "-"
+        print(
+            f"{arm:<14}{r['tokens_per_s']:>12,.0f}{r['mfu']:>12.2f}{r['peak_active_gib']:>12.2f}"
+            f"{r['tokens_per_s'] / results[base]['tokens_per_s']:>12.3f}"
+            f"{r['peak_active_gib'] / results[base]['peak_active_gib']:>12.3f}{vs_stock:>12}"
+        )
+    if args.profile:
+        traces = {arm: sorted((out / arm).glob("profile_traces/*/rank0_trace.json")) for arm in arms}
+        missing = [arm for arm, found in traces.items() if not found]
+        if missing:
+            raise RuntimeError(f"no profiler trace written for {missing} under {out}")
+        print(f"\nprofiled step {args.steps} (GPU kernel time; the step span includes idle gaps)")
+        print_side_by_side({arm: summarise(found[-1]) for arm, found in traces.items()})
+
+
+if __name__ == "__main__":
+    main()

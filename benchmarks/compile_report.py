@@ -1,0 +1,102 @@
+"""Registers, spills and shared memory of the routing kernels for sm_90, without a GPU.
+
+Compiles each kernel at the 8B launch shapes with Triton's own compiler and runs the
+`ptxas` that Triton ships on the result. Registers decide how many rows an SM keeps in
+flight, which is what bounds these memory-bound kernels.
+
+    python -m benchmarks.compile_report [--sources 8] [--dtype bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels.triton.backward import route_bwd_mix_kernel, route_bwd_stats_kernel
+from kernels.triton.forward import route_fwd_kernel
+from kernels.triton.launch import DEFAULT_TABLES, mix_launch, row_launch
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def compile_sm90(fn, types: dict[str, object], consts: dict[str, object], num_warps: int, maxnreg: int | None = None):
+    """Triton-compile `fn` for sm_90 with every pointer and M assumed 16-aligned (as at 8B)."""
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(p.name for p in fn.params):
+        if name in consts:
+            signature[name], constexprs[(i,)] = "constexpr", consts[name]
+            continue
+        kind = types[name]
+        signature[name] = kind
+        if isinstance(kind, tuple):
+            attrs.update({(i, j): [["tt.divisibility", 16]] for j in range(len(kind))})
+        elif kind.startswith("*") or name == "M":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def ptxas_usage(ptx: str) -> dict[str, int]:
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        log = subprocess.run(
+            [PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True, check=True
+        ).stderr
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores", log)
+    return {"registers": int(regs.group(1)), "spill_bytes": int(spills.group(1)) if spills else 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sources", type=int, default=8, help="caller sources (N - 1)")
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    args = parser.parse_args()
+    n, d, h, m = args.sources, args.dim, args.heads, 8192
+    p, f32 = f"*{args.dtype}", "*fp32"
+    itemsize = 2 if args.dtype == "bf16" else 4
+    calls = DEFAULT_TABLES.mix["calls"]
+    types = {
+        "X": p, "SRCS": (p,) * n, "DSRCS": (p,) * n, "NULL": p, "Q": p, "G": p, "GATE": p, "OUT": p,
+        "DOUT": p, "W": f32, "COEF": f32, "PARTS": f32, "M": "i32", "eps": "fp32", "DOUTS": (p,) * calls,
+        "COEFS": (f32,) * calls, "QS": (p,) * calls, "GS": (p,) * calls, "CSUMS": (f32,) * n, "RSTDS": (f32,) * n,
+    }  # fmt: skip
+    print(f"sm_90, d={d}, H={h}, {n} sources, {args.dtype}")
+    print("| kernel | launch | warps | registers | spill bytes |")
+    print("|---|---|---|---|---|")
+    kernels = [
+        ("fwd", route_fwd_kernel, DEFAULT_TABLES.fwd[n]),
+        ("stats", route_bwd_stats_kernel, DEFAULT_TABLES.stats[n]),
+    ]
+    for name, fn, launch in kernels:
+        # stats as the eager path launches it: marked sources, their rstd given where the table says
+        known = None if name == "fwd" else (1 << n) - 1 if launch["given_rstd"] else 0
+        for warps_per_4096 in sorted({4, 8, 16, launch["warps_per_4096"]}):
+            _, warps, consts = row_launch(m, d, h, n, itemsize, launch["rows"], warps_per_4096, True, known)
+            # the forward's register cap applies to its own launch shape only
+            cap = launch.get("maxnreg") if warps_per_4096 == launch["warps_per_4096"] else None
+            use = ptxas_usage(compile_sm90(fn, types, consts, warps, cap).asm["ptx"])
+            shape = f"rows {launch['rows']}" + (f", registers <= {cap}" if cap else "")
+            print(f"| {name} | {shape} | {warps} | {use['registers']} | {use['spill_bytes']} |")
+    shared = (1 << n) - 1  # every source shared, the rest of the sum accumulated: the eager path
+    for block_m, block_kc, warps in [(32, 64, 4), (32, 128, 4), (64, 64, 4), (32, 128, 8)]:
+        _, consts = mix_launch(m, d, h, n, calls, block_m, block_kc, shared, shared)
+        use = ptxas_usage(compile_sm90(route_bwd_mix_kernel, types, consts, warps).asm["ptx"])
+        print(f"| mix | {block_m}x{block_kc}, {calls} calls | {warps} | {use['registers']} | {use['spill_bytes']} |")
+
+
+if __name__ == "__main__":
+    main()

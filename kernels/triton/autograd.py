@@ -1,0 +1,201 @@
+"""The two autograd paths over the routing kernels: `route_op` (a torch.library custom op) and `route_eager`.
+
+- `route_op`: `torch.ops.mhar.route_fwd` / `route_bwd`, custom ops with autograd, which
+  torch.compile keeps in its graph as one node each instead of breaking at every call; it saves
+  its inputs with save_for_backward and returns every gradient. Per-block-compiled training
+  takes this path (see `_route_eager_in_graph`), and the model's activation checkpointing keeps
+  its outputs (mhar_titan's parallelize: `keep_routing_outputs`).
+- `route_eager`: a plain autograd.Function over the same host wrappers, without the custom-op
+  dispatch, whose Python cost per call exceeds the kernels' own (kernels/NOTES.md). It keeps the
+  inputs on its context (not save_for_backward), so an activation checkpoint around a call has
+  nothing to unpack and never re-runs the forward, and it sums the gradients of sources marked
+  with `shared.share_source_grad` in place.
+
+Which path runs is the caller's choice, by function (or kernels.routing's backend name:
+"triton_op" for `route_op`, "triton" for `route_eager`). One rule is declared here, with
+torch.compile's `substitute_in_graph`: a graph that Dynamo traces through `route_eager` gets
+`route_op` in its place, since the eager path's autograd.Function and launcher cannot be traced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels.triton import host, shared
+from kernels.triton.launch import DEFAULT_TABLES, LaunchTables
+
+
+@torch.library.custom_op("mhar::route_fwd", mutates_args=())
+def route_fwd(
+    x: torch.Tensor,
+    sources: list[torch.Tensor],
+    null: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate: torch.Tensor,
+    num_heads: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return host.forward(x, sources, null, query, norm_weight, gate, num_heads, eps)
+
+
+@route_fwd.register_fake
+def _(x, sources, null, query, norm_weight, gate, num_heads, eps):
+    weights = x.new_empty((len(sources) + 1, *x.shape[:-1], num_heads), dtype=torch.float32)
+    return torch.empty_like(x), weights
+
+
+@torch.library.custom_op("mhar::route_bwd", mutates_args=())
+def route_bwd(
+    grad_out: torch.Tensor,
+    sources: list[torch.Tensor],
+    null: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate: torch.Tensor,
+    num_heads: int,
+    eps: float,
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return host.backward(grad_out, sources, null, query, norm_weight, gate, num_heads, eps)
+
+
+@route_bwd.register_fake
+def _(grad_out, sources, null, query, norm_weight, gate, num_heads, eps):
+    return (
+        [torch.empty_like(s) for s in sources],
+        torch.empty_like(null),
+        torch.empty_like(query),
+        torch.empty_like(norm_weight),
+        torch.empty_like(gate),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, sources, null, query, norm_weight, gate, num_heads, eps = inputs
+    ctx.num_heads, ctx.eps = num_heads, eps
+    ctx.save_for_backward(null, query, norm_weight, gate, *sources)
+
+
+def _op_backward(ctx, grad_out, grad_weights):
+    null, query, norm_weight, gate, *sources = ctx.saved_tensors
+    dsrcs, dz, dq, dg, dgate = route_bwd(grad_out, sources, null, query, norm_weight, gate, ctx.num_heads, ctx.eps)
+    return grad_out, dsrcs, dz, dq, dg, dgate, None, None
+
+
+route_fwd.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+def route_op(
+    x: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    null: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate: torch.Tensor,
+    *,
+    num_heads: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused routing through the custom op (default launch tables): (x + gate * R, routing
+    weights [N, *x.shape[:-1], H] fp32)."""
+    return torch.ops.mhar.route_fwd(x, list(sources), null, query, norm_weight, gate, num_heads, eps)
+
+
+def _unpack_inputs(ctx) -> tuple[torch.Tensor, ...]:
+    """The inputs kept by forward, released here: the graph may outlive the backward (the
+    loss of one microbatch is alive during the next), the sources should not."""
+    inputs, ctx.inputs = ctx.inputs, None
+    if inputs is None:
+        raise RuntimeError(
+            "mhar_route: backward through the same triton routing call twice (retain_graph=True) is not "
+            "supported; use backend='torch' for double backward"
+        )
+    for i, (t, version) in enumerate(zip(inputs, ctx.versions, strict=True)):
+        if t._version != version:
+            raise RuntimeError(
+                f"mhar_route: input {i} of the routing call (null, query, norm_weight, gate, then the sources) "
+                f"was modified in place after the call (version {version} -> {t._version}); its gradient "
+                "would be wrong"
+            )
+    return inputs
+
+
+class _Route(torch.autograd.Function):
+    """The kernels for eager mode, without the custom-op dispatch."""
+
+    @staticmethod
+    def forward(ctx, x, null, query, norm_weight, gate, num_heads, eps, tables, *sources):
+        ctx.slots = shared.grad_slots(sources)
+        out, weights = host.forward(x, sources, null, query, norm_weight, gate, num_heads, eps, tables)
+        # a marked source's rstd, for the stats kernel: computed by the first call that reads it
+        rstds = []
+        for s, slot in zip(sources, ctx.slots, strict=True):
+            if slot is not None:
+                slot.tables = tables
+            rstds.append(None if slot is None else slot.source_rstd(s, eps))
+        ctx.num_heads, ctx.eps, ctx.rstds, ctx.tables = num_heads, eps, rstds, tables
+        # The backward needs the inputs only. Kept on ctx rather than saved with
+        # save_for_backward, so an activation checkpoint around the call has no saved
+        # tensor to unpack and never re-runs the forward; the version check that
+        # save_for_backward would do is done in backward.
+        ctx.inputs = (null, query, norm_weight, gate, *sources)
+        ctx.versions = [t._version for t in ctx.inputs]
+        ctx.mark_non_differentiable(weights)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for the weights
+        return out, weights
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_weights):
+        null, query, norm_weight, gate, *sources = _unpack_inputs(ctx)
+        if grad_out is None:  # the output did not reach the loss
+            return (None,) * (8 + len(sources))
+        rstds, ctx.rstds = ctx.rstds, None
+        tables = ctx.tables
+        call, dz, dq, dg, dgate = host.stats(
+            grad_out, sources, null, query, norm_weight, gate, ctx.num_heads, ctx.eps, rstds, tables
+        )
+        # A shared source's gradient goes to its slot (None to autograd), the others to autograd.
+        if all(slot is not None for slot in ctx.slots):
+            shared.mix_shared(call, sources, ctx.slots, ctx.num_heads, tables)
+            dsrcs = [None] * len(sources)
+        else:
+            dsrcs = host.mix([call], sources, ctx.slots, ctx.num_heads, tables)
+        return grad_out, dz, dq, dg, dgate, None, None, None, *dsrcs
+
+
+def route_eager(
+    x: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    null: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate: torch.Tensor,
+    *,
+    num_heads: int,
+    eps: float,
+    tables: LaunchTables | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused routing through the eager autograd.Function: (x + gate * R, routing weights
+    [N, *x.shape[:-1], H] fp32). `tables`: launch shapes, DEFAULT_TABLES unless a benchmark
+    passes its own."""
+    return _Route.apply(x, null, query, norm_weight, gate, num_heads, eps, tables or DEFAULT_TABLES, *sources)
+
+
+@torch.compiler.substitute_in_graph(route_eager)
+def _route_eager_in_graph(
+    x: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    null: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate: torch.Tensor,
+    *,
+    num_heads: int,
+    eps: float,
+    tables: LaunchTables | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What torch.compile traces in place of `route_eager`: `route_op`, one graph node (with the
+    default launch tables, the only ones the custom op knows)."""
+    return route_op(x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps)

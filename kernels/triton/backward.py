@@ -1,0 +1,356 @@
+"""Backward kernels of the routing op: stats (coefficients and weight-gradient partials), finish, mix, norm term.
+
+None uses atomics (repeated runs are bitwise equal), and they need only the op's inputs:
+- stats: one pass over the sources per row that recomputes the softmax from the inputs and
+  writes, per source, row and head, the coefficients the sources' gradients are linear in; each
+  program also sums the weight gradients over its rows (the query/norm-weight term through two
+  online-rescaled running tiles), so a call's parameter gradients need nothing else;
+- finish: sums those per-program partials in a fixed order;
+- mix: a streaming kernel over (row block, column block) tiles, with no row-wide reduction,
+  that turns the coefficients into every source's gradient (for up to 4 calls over the same
+  sources in one pass, kernels/triton/shared.py);
+- norm: a shared source's norm term, applied once its gradient sum is complete.
+The math is docs/design.md section 3.3.
+"""
+
+import triton
+import triton.language as tl
+
+from kernels.triton.tiles import (
+    cast_to,
+    head_sum,
+    head_sums2,
+    head_sums3,
+    load_raw,
+    null_logit,
+    param,
+    row_rstd,
+    row_tile_offsets,
+    store,
+)
+
+
+@triton.jit
+def route_bwd_stats_kernel(
+    DOUT,
+    SRCS,
+    RSTDS,
+    NULL,
+    Q,
+    G,
+    GATE,
+    COEF,
+    PARTS,
+    M,
+    eps,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    NUM_SRC: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+    EVEN: tl.constexpr,
+    JOINT: tl.constexpr,
+    KNOWN: tl.constexpr,
+):
+    # Per row and head, with c_n = <dout_h, s_n,h>, a_n = <(q g)_h, s_n,h>, w = softmax_n(a_n rstd_n)
+    # (null: its own logit), dot = sum_n w_n c_n, dl_n = gate w_n (c_n - dot):
+    #   ds_n = A_n dout + B_n (q g) - C_n s_n   with   A_n = gate w_n,  B_n = rstd_n dl_n,
+    #   C_n = rstd_n^3 sum_h(dl_n a_n) / D.
+    # COEF[k, n - 1, row, h] holds A, B and C's terms per head (the mix kernel sums them) for the
+    # sources n >= 1. The weight gradients are sums over rows: of sum_n B_n s_n (query, norm
+    # weight), of A_0 dout (null), of dl_0 (the null's norm term) and of dot (gate); this
+    # program sums them over its ROWS rows into PARTS (_partials). sum_n B_n s_n needs dot,
+    # known only after the last source, so it is built as gate (U - dot V) / den from two
+    # running tiles, U = sum_n rstd_n e_n c_n s_n and V = sum_n rstd_n e_n s_n, rescaled with
+    # the online softmax's max as the forward's accumulator is: every source is read once.
+    # Per-source statistics are tuples of per-head vectors, which cost a register each.
+    cols, mask = row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
+    hv = tl.arange(0, BLOCK_H)
+    nn = tl.arange(0, BLOCK_N)[None, :]
+    hw = hv[:, None]
+    z_logit = null_logit(NULL, Q, G, cols, mask, D, eps, JOINT)
+    gate = tl.load(GATE).to(tl.float32)
+    plane = NUM_SRC * M * H
+
+    t = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
+    w0do = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
+    dl0 = tl.zeros([BLOCK_H], tl.float32)
+    dgate = tl.zeros([BLOCK_H], tl.float32)
+    pid = tl.program_id(0)
+    start = pid.to(tl.int64) * ROWS
+    for r in range(ROWS):
+        row = start + r
+        row_mask = mask & (row < M)
+        base = row * D
+        do = load_raw(DOUT + base + cols, row_mask, EVEN).to(tl.float32)
+        # loads run two sources ahead of the reductions, as in the forward
+        s_a = load_raw(SRCS[0] + base + cols, row_mask, EVEN)
+        if NUM_SRC > 1:
+            s_b = load_raw(SRCS[1] + base + cols, row_mask, EVEN)
+        m = z_logit
+        den = tl.full([BLOCK_H], 1.0, tl.float32)
+        u = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
+        v = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
+        c0 = head_sum(do * param(NULL, cols, mask))
+        cs, lgs, rstds = (), (), ()
+        for i in tl.static_range(NUM_SRC):
+            s = s_a.to(tl.float32)
+            if i + 1 < NUM_SRC:
+                s_a = s_b
+            if i + 2 < NUM_SRC:
+                s_b = load_raw(SRCS[i + 2] + base + cols, row_mask, EVEN)
+            qg = param(Q, cols, mask) * param(G, cols, mask)
+            if (KNOWN >> i) & 1:
+                sd, sq = head_sums2(s * do, s * qg, JOINT)
+                rstd = row_rstd(RSTDS[i], row, M, EVEN)
+            else:
+                ss, sd, sq = head_sums3(s * s, s * do, s * qg, JOINT)
+                rstd = tl.rsqrt(tl.sum(ss) / D + eps)
+            lg = sq * rstd
+            m_new = tl.maximum(m, lg)
+            alpha = tl.exp(m - m_new)
+            e = tl.exp(lg - m_new)
+            den = den * alpha + e
+            er = e * rstd
+            u = u * alpha[:, None, None] + s * (er * sd)[:, None, None]
+            v = v * alpha[:, None, None] + s * er[:, None, None]
+            m = m_new
+            cs, lgs, rstds = cs + (sd,), lgs + (lg,), rstds + (rstd,)
+        inv = 1.0 / den
+        w0 = tl.exp(z_logit - m) * inv
+        dot = w0 * c0
+        for i in tl.static_range(NUM_SRC):
+            dot += tl.exp(lgs[i] - m) * inv * cs[i]
+        t += (gate * inv)[:, None, None] * (u - dot[:, None, None] * v)
+        w0do += (gate * w0)[:, None, None] * do
+        dl0 += gate * w0 * (c0 - dot)
+        dgate += dot
+        # gathered into [heads, sources] tiles, one store each: a store goes through shared
+        # memory (Triton coalesces it), so one per coefficient, not one per source
+        a_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        b_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        c_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        for i in tl.static_range(NUM_SRC):
+            w = tl.exp(lgs[i] - m) * inv
+            dl = gate * w * (cs[i] - dot)
+            sel = nn == i
+            a_t = tl.where(sel, (gate * w)[:, None], a_t)
+            b_t = tl.where(sel, (dl * rstds[i])[:, None], b_t)
+            c_t = tl.where(sel, (dl * lgs[i] * (rstds[i] * rstds[i] / D))[:, None], c_t)
+        offs = nn * (M * H) + row * H + hw
+        valid = (nn < NUM_SRC) & (hw < H) & (row < M)
+        tl.store(COEF + offs, a_t, mask=valid)
+        tl.store(COEF + plane + offs, b_t, mask=valid)
+        tl.store(COEF + 2 * plane + offs, c_t, mask=valid)
+    T_PART, W0DO_PART, DL0_PART, DGATE_PART = _partials(PARTS, tl.num_programs(0), D, H)
+    part = pid.to(tl.int64) * D + cols
+    store(T_PART + part, t, mask, EVEN)
+    store(W0DO_PART + part, w0do, mask, EVEN)
+    tl.store(DL0_PART + pid * H + hv, dl0, mask=hv < H)
+    tl.store(DGATE_PART + pid, tl.sum(tl.where(hv < H, dgate, 0.0)))
+
+
+@triton.jit
+def _partials(PARTS, P, D: tl.constexpr, H: tl.constexpr):
+    """The stats kernel's partial sums per program (P of them), one after another in one
+    buffer: query/norm-weight sums [P, D], the null's mixing term [P, D], dl_0 [P, H], dot [P]."""
+    return PARTS, PARTS + P * D, PARTS + 2 * P * D, PARTS + 2 * P * D + P * H
+
+
+@triton.jit
+def _mix_term(ds, do, qg, COEF, off, plane, row_ok):
+    """ds + A dout + B (q g), one call's share of a source's gradient."""
+    a = tl.load(COEF + off, mask=row_ok, other=0.0)[:, None]
+    b = tl.load(COEF + plane + off, mask=row_ok, other=0.0)[:, None]
+    return ds + a * do + b * qg
+
+
+@triton.jit
+def _coupling(COEF, off, rows, row_ok, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    """C per row: the stats kernel's per-head terms, summed."""
+    hv = tl.arange(0, BLOCK_H)[None, :]
+    terms = tl.load(COEF + off + rows[:, None] * H + hv, mask=row_ok[:, None] & (hv < H), other=0.0)
+    return tl.sum(terms, axis=1)
+
+
+@triton.jit
+def route_bwd_mix_kernel(
+    DOUTS,
+    COEFS,
+    QS,
+    GS,
+    SRCS,
+    DSRCS,
+    CSUMS,
+    M,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    NUM_SRC: tl.constexpr,
+    NUM_CALLS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_KC: tl.constexpr,
+    EVEN: tl.constexpr,
+    ACCUM: tl.constexpr,
+    SHARED: tl.constexpr,
+):
+    """One [BLOCK_M rows, BLOCK_KC columns] tile of one head: every source's gradient from the
+    per-row coefficients of NUM_CALLS (1..4) calls that read the same sources, one pass over
+    the gradients for all of them:  ds_n (+)= sum_calls (A_n dout + B_n (q g)) - C_n s_n.
+    Bit i of ACCUM: add to what DSRCS[i] and CSUMS[i] hold instead of overwriting them.
+    Bit i of SHARED: source i's gradient is a sum that many calls add to (routing_source), and
+    its norm term -C s is applied once, when the sum is complete (route_bwd_norm_kernel):
+    here C is only summed per row into CSUMS[i], and the source itself is not read.
+    Unshared sources (SHARED bit clear) take one call (NUM_CALLS = 1)."""
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
+    chunks: tl.constexpr = (K + BLOCK_KC - 1) // BLOCK_KC
+    h = cb // chunks
+    kc = (cb % chunks) * BLOCK_KC + tl.arange(0, BLOCK_KC)
+    rows = rb.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col = h * K + kc
+    row_ok = rows < M
+    tile = rows[:, None] * D + col[None, :]
+    mask = row_ok[:, None] & (kc < K)[None, :]
+    plane = NUM_SRC * M * H
+    off = rows * H + h
+
+    # every call's dout tile stays in registers across the sources
+    do0 = load_raw(DOUTS[0] + tile, mask, EVEN).to(tl.float32)
+    qg0 = (param(QS[0], col, kc < K) * param(GS[0], col, kc < K))[None, :]
+    if NUM_CALLS > 1:
+        do1 = load_raw(DOUTS[1] + tile, mask, EVEN).to(tl.float32)
+        qg1 = (param(QS[1], col, kc < K) * param(GS[1], col, kc < K))[None, :]
+    if NUM_CALLS > 2:
+        do2 = load_raw(DOUTS[2] + tile, mask, EVEN).to(tl.float32)
+        qg2 = (param(QS[2], col, kc < K) * param(GS[2], col, kc < K))[None, :]
+    if NUM_CALLS > 3:
+        do3 = load_raw(DOUTS[3] + tile, mask, EVEN).to(tl.float32)
+        qg3 = (param(QS[3], col, kc < K) * param(GS[3], col, kc < K))[None, :]
+    # the next source's running sum (and, unshared, the source) load while this one is mixed
+    if ACCUM & 1:
+        prev_next = load_raw(DSRCS[0] + tile, mask, EVEN)
+    if not SHARED & 1:
+        s_next = load_raw(SRCS[0] + tile, mask, EVEN)
+    for i in tl.static_range(NUM_SRC):
+        if (ACCUM >> i) & 1:
+            prev = prev_next
+        if not (SHARED >> i) & 1:
+            s = s_next
+        if i + 1 < NUM_SRC:
+            if (ACCUM >> (i + 1)) & 1:
+                prev_next = load_raw(DSRCS[i + 1] + tile, mask, EVEN)
+            if not (SHARED >> (i + 1)) & 1:
+                s_next = load_raw(SRCS[i + 1] + tile, mask, EVEN)
+        n_off = off + i * M * H
+        if (ACCUM >> i) & 1:
+            ds = prev.to(tl.float32)
+        else:
+            ds = tl.zeros([BLOCK_M, BLOCK_KC], tl.float32)
+        ds = _mix_term(ds, do0, qg0, COEFS[0], n_off, plane, row_ok)
+        if NUM_CALLS > 1:
+            ds = _mix_term(ds, do1, qg1, COEFS[1], n_off, plane, row_ok)
+        if NUM_CALLS > 2:
+            ds = _mix_term(ds, do2, qg2, COEFS[2], n_off, plane, row_ok)
+        if NUM_CALLS > 3:
+            ds = _mix_term(ds, do3, qg3, COEFS[3], n_off, plane, row_ok)
+        if (SHARED >> i) & 1:
+            if cb == 0:
+                # C is the same for every head: this row block's column-block-0 program sums it
+                c_off = 2 * plane + i * M * H
+                cs = _coupling(COEFS[0], c_off, rows, row_ok, H, BLOCK_H)
+                if NUM_CALLS > 1:
+                    cs += _coupling(COEFS[1], c_off, rows, row_ok, H, BLOCK_H)
+                if NUM_CALLS > 2:
+                    cs += _coupling(COEFS[2], c_off, rows, row_ok, H, BLOCK_H)
+                if NUM_CALLS > 3:
+                    cs += _coupling(COEFS[3], c_off, rows, row_ok, H, BLOCK_H)
+                if (ACCUM >> i) & 1:
+                    cs += tl.load(CSUMS[i] + rows, mask=row_ok, other=0.0)
+                tl.store(CSUMS[i] + rows, cs, mask=row_ok)
+        else:
+            c = _coupling(COEFS[0], 2 * plane + i * M * H, rows, row_ok, H, BLOCK_H)
+            ds -= c[:, None] * s.to(tl.float32)
+        store(DSRCS[i] + tile, ds, mask, EVEN)
+
+
+@triton.jit
+def route_bwd_norm_kernel(
+    SRC, DSRC, CSUM, M, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN: tl.constexpr
+):
+    """A shared source's norm term, once its gradient sum is complete: ds -= csum[row] * s."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    tile = rows[:, None] * D + cols[None, :]
+    mask = (rows < M)[:, None] & (cols < D)[None, :]
+    c = tl.load(CSUM + rows, mask=rows < M, other=0.0)[:, None]
+    s = load_raw(SRC + tile, mask, EVEN).to(tl.float32)
+    ds = load_raw(DSRC + tile, mask, EVEN).to(tl.float32) - c * s
+    store(DSRC + tile, ds, mask, EVEN)
+
+
+@triton.jit
+def route_bwd_finish_kernel(
+    PARTS,
+    NULL,
+    Q,
+    G,
+    DZ,
+    DQ,
+    DG,
+    DGATE,
+    eps,
+    P: tl.constexpr,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Sums the stats kernel's per-program partials in a fixed order and finishes the
+    weight gradients; the null source's norm term depends on the rows only through
+    sum_rows dl_0. Each program owns BLOCK_C columns."""
+    T_PART, W0DO_PART, DL0_PART, DGATE_PART = _partials(PARTS, P, D, H)
+    pid = tl.program_id(0)
+    hv = tl.arange(0, BLOCK_H)
+    pv = tl.arange(0, BLOCK_P)
+    dl0 = tl.zeros([BLOCK_H], tl.float32)
+    dgate = tl.zeros([BLOCK_P], tl.float32)
+    for p0 in tl.static_range(0, P, BLOCK_P):
+        pp = p0 + pv
+        part = tl.load(DL0_PART + pp[:, None] * H + hv[None, :], mask=(pp < P)[:, None] & (hv < H)[None, :], other=0.0)
+        dl0 += tl.sum(part, axis=0)
+        dgate += tl.load(DGATE_PART + pp, mask=pp < P, other=0.0)
+
+    cols, mask = row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
+    z2 = param(NULL, cols, mask)
+    z_rstd = tl.rsqrt(tl.sum(z2 * z2) / D + eps)
+    a0 = head_sum(param(Q, cols, mask) * param(G, cols, mask) * z2)
+    coupling = tl.sum(dl0 * a0) * z_rstd * z_rstd * z_rstd / D
+
+    cc = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cc < D
+    t = tl.zeros([BLOCK_C], tl.float32)
+    w0do = tl.zeros([BLOCK_C], tl.float32)
+    for p0 in tl.static_range(0, P, BLOCK_P):
+        pp = p0 + pv
+        pmask = (pp < P)[:, None] & cmask[None, :]
+        offs = pp[:, None] * D + cc[None, :]
+        t += tl.sum(tl.load(T_PART + offs, mask=pmask, other=0.0), axis=0)
+        w0do += tl.sum(tl.load(W0DO_PART + offs, mask=pmask, other=0.0), axis=0)
+    dl0_c = tl.sum(tl.where((cc // K)[None, :] == hv[:, None], dl0[:, None], 0.0), axis=0)
+    z = param(NULL, cc, cmask)
+    q = param(Q, cc, cmask)
+    g = param(G, cc, cmask)
+    tl.store(DQ + cc, cast_to(t * g + dl0_c * z_rstd * z * g, DQ), mask=cmask)
+    tl.store(DG + cc, cast_to(t * q + dl0_c * z_rstd * z * q, DG), mask=cmask)
+    tl.store(DZ + cc, cast_to(w0do + z_rstd * q * g * dl0_c - z * coupling, DZ), mask=cmask)
+    tl.store(DGATE, cast_to(tl.sum(dgate), DGATE), mask=pid == 0)

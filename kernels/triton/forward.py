@@ -1,0 +1,101 @@
+"""Forward kernels of the routing op: the fused routing pass over a row, and a source's 1 / rms per row.
+
+Forward: one pass over the sources per token row, all heads at once; online softmax, the
+full-width RMS norm fused, fp32 statistics, the null source read as one vector. Writes the
+routing weights [N, M, H] (fp32) beside the output.
+"""
+
+import triton
+import triton.language as tl
+
+from kernels.triton.tiles import head_sums2, load_raw, null_logit, param, row_tile_offsets, store
+
+
+@triton.jit
+def source_rstd_kernel(SRC, RSTD, M, eps, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """1 / rms of BLOCK_R rows of a source (fp32 sum of squares over the full width): computed
+    once for a source that many calls read, instead of by every call, in its row kernels, where
+    it is the one sum that crosses warps."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for c0 in tl.static_range(0, D, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = (rows < M)[:, None] & (cols < D)[None, :]
+        x = tl.load(SRC + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += x * x
+    tl.store(RSTD + rows, tl.rsqrt(tl.sum(acc, axis=1) / D + eps), mask=rows < M)
+
+
+@triton.jit
+def route_fwd_kernel(
+    X,
+    SRCS,
+    NULL,
+    Q,
+    G,
+    GATE,
+    OUT,
+    W,
+    M,
+    eps,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    NUM_SRC: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+    EVEN: tl.constexpr,
+    JOINT: tl.constexpr,
+):
+    cols, mask = row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
+    # per-source statistics as [heads, sources] tiles, laid out as the heads' sums come
+    nn = tl.arange(0, BLOCK_N)[None, :]
+    hw = tl.arange(0, BLOCK_H)[:, None]
+    w_mask = (nn < NUM_SRC + 1) & (hw < H)
+    z_logit = null_logit(NULL, Q, G, cols, mask, D, eps, JOINT)
+    gate = tl.load(GATE).to(tl.float32)
+
+    start = tl.program_id(0).to(tl.int64) * ROWS
+    for r in range(ROWS):
+        row = start + r
+        row_mask = mask & (row < M)
+        base = row * D
+        # Online softmax over [null, sources...] per head. The null source enters the
+        # running max and denominator from the start but the accumulator only at the
+        # end, so its tile is not held in registers across the loop.
+        m = z_logit
+        den = tl.full([BLOCK_H], 1.0, tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
+        logits = tl.where(nn == 0, z_logit[:, None], 0.0)
+        # Loads run two sources ahead (then x), so they overlap the reductions of the
+        # previous two: s_a is the tile in use next, s_b the one after it.
+        s_a = load_raw(SRCS[0] + base + cols, row_mask, EVEN)
+        if NUM_SRC > 1:
+            s_b = load_raw(SRCS[1] + base + cols, row_mask, EVEN)
+        else:
+            s_b = load_raw(X + base + cols, row_mask, EVEN)
+        for i in tl.static_range(NUM_SRC):
+            s = s_a.to(tl.float32)
+            s_a = s_b
+            if i + 2 < NUM_SRC:
+                s_b = load_raw(SRCS[i + 2] + base + cols, row_mask, EVEN)
+            elif i + 2 == NUM_SRC:
+                s_b = load_raw(X + base + cols, row_mask, EVEN)
+            qg = param(Q, cols, mask) * param(G, cols, mask)
+            ss, sq = head_sums2(s * s, s * qg, JOINT)
+            lg = sq * tl.rsqrt(tl.sum(ss) / D + eps)
+            m_new = tl.maximum(m, lg)
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(lg - m_new)
+            den = den * alpha + p
+            acc = acc * alpha[:, None, None] + s * p[:, None, None]
+            m = m_new
+            logits = tl.where(nn == i + 1, lg[:, None], logits)
+        acc += tl.exp(z_logit - m)[:, None, None] * param(NULL, cols, mask)
+        out = s_a.to(tl.float32) + gate * (acc / den[:, None, None])  # s_a holds x by now
+        store(OUT + base + cols, out, row_mask, EVEN)
+        w = tl.exp(logits - m[:, None]) / den[:, None]
+        tl.store(W + nn * (M * H) + row * H + hw, w, mask=w_mask & (row < M))

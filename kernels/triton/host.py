@@ -1,0 +1,216 @@
+"""Host wrappers of the routing kernels: check, allocate and launch one forward, stats, mix or finishing pass.
+
+Each takes a `LaunchTables` (launch.DEFAULT_TABLES unless a benchmark passes another) and
+reads the allocation and launcher seams through the `launch` module (its docstring lists them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from kernels.triton import launch
+from kernels.triton.launch import DEFAULT_TABLES, MAX_SOURCES, LaunchTables, cdiv, cpu_rows, interpreting, pow2
+
+
+def check_inputs(x: torch.Tensor, sources: Sequence[torch.Tensor]) -> None:
+    if not x.is_cuda and not interpreting():
+        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+    if not 1 <= len(sources) <= MAX_SOURCES:
+        raise ValueError(f"backend='triton' routes over 1..{MAX_SOURCES} sources, got {len(sources)}")
+
+
+def _known_rstds(rstds: Sequence[torch.Tensor | None], n: int, spare: torch.Tensor) -> tuple[int, tuple]:
+    """The row kernels' KNOWN bits and RSTDS pointers; `spare` stands in where none is given."""
+    rstds = tuple(rstds) or (None,) * n
+    known = sum(1 << i for i, r in enumerate(rstds) if r is not None)
+    return known, tuple(spare if r is None else r for r in rstds)
+
+
+def source_rstd(source: torch.Tensor, eps: float, tables: LaunchTables = DEFAULT_TABLES) -> torch.Tensor:
+    """1 / rms per row of a source, fp32 [rows]."""
+    src = source.contiguous()
+    d = src.shape[-1]
+    m = src.numel() // d
+    rstd = launch.empty((m,), device=src.device, dtype=torch.float32)
+    block_r = cpu_rows(m) if interpreting() else tables.rstd["block_r"]
+    grid, consts = launch.rstd_launch(m, d, block_r, tables.rstd["block_c"])
+    launch.rstd_launcher(grid, tables.rstd["warps"], consts, src, rstd, m, eps)
+    return rstd
+
+
+def forward(
+    x: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    null: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    tables: LaunchTables = DEFAULT_TABLES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel: (x + gate * R, routing weights [N, *x.shape[:-1], H] fp32)."""
+    check_inputs(x, sources)
+    d = x.shape[-1]
+    m = x.numel() // d
+    xs = x.contiguous()
+    srcs = tuple(s.contiguous() for s in sources)
+    out = launch.empty_like(xs)
+    weights = launch.empty((len(srcs) + 1, *x.shape[:-1], num_heads), device=x.device, dtype=torch.float32)
+    interp = interpreting()
+    shape = tables.fwd[len(srcs)]
+    rows = cpu_rows(m) if interp else shape["rows"]
+    itemsize = xs.element_size()
+    grid, warps, consts = launch.row_launch(
+        m, d, num_heads, len(srcs), itemsize, rows, shape["warps_per_4096"], not interp
+    )
+    params = (null.contiguous(), query.contiguous(), norm_weight.contiguous(), gate.contiguous())
+    launch.fwd_launcher(grid, warps, consts, xs, srcs, *params, out, weights, m, eps, maxnreg=shape["maxnreg"])
+    return out, weights
+
+
+class MixCall(NamedTuple):
+    """What the mix kernel needs of one call, once its stats have run."""
+
+    dout: torch.Tensor
+    coef: torch.Tensor  # [3, N, m, H]: A, B, C per source (the stats kernel's COEF)
+    query: torch.Tensor
+    norm_weight: torch.Tensor
+
+
+def stats(
+    grad_out: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    null: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    rstds: Sequence[torch.Tensor | None] = (),
+    tables: LaunchTables = DEFAULT_TABLES,
+) -> tuple[MixCall, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One call's backward up to its sources' gradients: the stats and finishing kernels give
+    the site's parameter gradients and the coefficients the mix kernel turns into the sources'.
+    `rstds`: per source its 1 / rms per row where known (source_rstd), else None."""
+    check_inputs(grad_out, sources)
+    d = grad_out.shape[-1]
+    m = grad_out.numel() // d
+    n = len(sources)
+    dout = grad_out.contiguous()
+    srcs = tuple(s.contiguous() for s in sources)
+    z, q, g, gate = (t.contiguous() for t in (null, query, norm_weight, gate))
+    interp = interpreting()
+    shape = tables.stats[n]
+    rows = cpu_rows(m) if interp else shape["rows"]
+    parts = cdiv(m, rows)
+    # One allocation: the coefficients [3, N, m, H], then the per-program partials.
+    coef_size = 3 * n * m * num_heads
+    work = launch.empty((coef_size + parts * (2 * d + num_heads + 1),), device=dout.device, dtype=torch.float32)
+    known, rstd_ptrs = _known_rstds(rstds if shape["given_rstd"] else (), n, work)
+    grid, warps, consts = launch.row_launch(
+        m, d, num_heads, n, dout.element_size(), rows, shape["warps_per_4096"], not interp, known
+    )
+    cap = None if interp else shape["maxnreg"]
+    launch.stats_launcher(
+        grid, warps, consts, dout, srcs, rstd_ptrs, z, q, g, gate, work, work[coef_size:], m, eps, maxnreg=cap
+    )
+    dz, dq, dg, dgate = finish_param_grads(work[coef_size:], parts, z, q, g, gate, num_heads, eps, tables)
+    return MixCall(dout, work[:coef_size], q, g), dz, dq, dg, dgate
+
+
+def finish_param_grads(
+    partials: torch.Tensor,
+    parts: int,
+    null: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    tables: LaunchTables = DEFAULT_TABLES,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The finishing kernel: the stats kernel's `parts` per-program partials (fp32, laid out as
+    backward.py's _partials says) summed in a fixed order into the gradients of null, query,
+    norm weight and gate."""
+    d = null.shape[-1]
+    dz, dq, dg, dgate = (launch.empty_like(t) for t in (null, query, norm_weight, gate))
+    f = tables.finish
+    grid, warps, consts = launch.finish_launch(
+        d, num_heads, null.element_size(), parts, f["block_c"], f["block_p"], f["warps"]
+    )
+    launch.finish_launcher(grid, warps, consts, partials, null, query, norm_weight, dz, dq, dg, dgate, eps)
+    return dz, dq, dg, dgate
+
+
+def mix(
+    calls: Sequence[MixCall],
+    sources: Sequence[torch.Tensor],
+    slots: Sequence,
+    num_heads: int,
+    tables: LaunchTables = DEFAULT_TABLES,
+) -> list[torch.Tensor | None]:
+    """The sources' gradients from 1..4 calls over the same sources, in one pass. A source
+    with a slot (shared.GradSlot: `grad`, `csum`) has them added to the slot's sum (its norm
+    term deferred to the slot's csum); the others get a new tensor, returned (None in the
+    slots' places)."""
+    srcs = tuple(s.contiguous() for s in sources)
+    d = srcs[0].shape[-1]
+    m = srcs[0].numel() // d
+    dsrcs, csums, accum, shared = [], [], 0, 0
+    for i, (s, slot) in enumerate(zip(srcs, slots, strict=True)):
+        if slot is None:
+            dsrcs.append(launch.empty_like(s))
+            csums.append(dsrcs[-1])  # not read or written
+            continue
+        shared |= 1 << i
+        if slot.grad is None:
+            slot.grad, slot.csum = launch.empty_like(s), launch.empty((m,), device=s.device, dtype=torch.float32)
+        else:
+            accum |= 1 << i
+        dsrcs.append(slot.grad)
+        csums.append(slot.csum)
+    if not 1 <= len(calls) <= 4:
+        raise ValueError(f"mhar_route: one mix pass serves 1..4 calls, got {len(calls)} (MIX['calls'])")
+    if len(calls) > 1 and shared != (1 << len(srcs)) - 1:
+        raise RuntimeError("mhar_route: one mix pass serves several calls only when every source is shared")
+    shape = tables.mix
+    block_m = cpu_rows(m) if interpreting() else shape["block_m"]
+    grid, consts = launch.mix_launch(m, d, num_heads, len(srcs), len(calls), block_m, shape["block_kc"], accum, shared)
+    by_field = tuple(zip(*calls, strict=True))
+    launch.mix_launcher(grid, shape["warps"], consts, *by_field, srcs, tuple(dsrcs), tuple(csums), m)
+    return [None if slot is not None else ds for slot, ds in zip(slots, dsrcs, strict=True)]
+
+
+def apply_norm_term(
+    source: torch.Tensor, grad: torch.Tensor, csum: torch.Tensor, tables: LaunchTables = DEFAULT_TABLES
+) -> None:
+    """A shared source's norm term, once its gradient sum is complete: grad -= csum[row] * source."""
+    src = source.contiguous()
+    d = src.shape[-1]
+    m = src.numel() // d
+    if interpreting():
+        grid, consts = launch.norm_launch(m, d, cpu_rows(m), pow2(d))
+    else:
+        grid, consts = launch.norm_launch(m, d, tables.norm["block_m"], tables.norm["block_d"])
+    launch.norm_launcher(grid, tables.norm["warps"], consts, src, grad, csum, m)
+
+
+def backward(
+    grad_out: torch.Tensor,
+    sources: Sequence[torch.Tensor],
+    null: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate: torch.Tensor,
+    num_heads: int,
+    eps: float,
+    tables: LaunchTables = DEFAULT_TABLES,
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the sources and of the site's parameters, for one call on its own."""
+    call, dz, dq, dg, dgate = stats(grad_out, sources, null, query, norm_weight, gate, num_heads, eps, (), tables)
+    dsrcs = mix([call], sources, (None,) * len(sources), num_heads, tables)
+    return dsrcs, dz, dq, dg, dgate

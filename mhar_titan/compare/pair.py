@@ -1,0 +1,192 @@
+"""Paired comparison of a control run and an MHAR run of the same schedule and data.
+
+MHAR's figure of merit is the per-step loss difference to the control: near 1e-5 at step 1 and staying far
+below the batch-to-batch noise. Two loss curves side by side cannot show that, and nobody reports paired deltas
+with their uncertainty, so this aligns the arms step by step, writes the deltas as a TensorBoard run next to
+them, sets the training delta against the control's noise and gives validation deltas a paired 95% CI over the
+same batches. It also checks that both arms really saw the same LR schedule and tokens, and, from the step-0
+validation of the base (mhar_titan.compare_validation), that both started from the same model, and how far each
+arm has moved from it.
+
+    python -m mhar_titan.compare runs/<pair> [--out DIR] [--control NAME] [--mhar NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from torch.utils.tensorboard import SummaryWriter
+
+from mhar_titan.compare import report
+from mhar_titan.compare import validation as cval
+from mhar_titan.compare.report import CHECKED
+from mhar_titan.compare.stats import batch_noise, divergence, median_after_warmup
+from mhar_titan.components.tensorboard_scalars import LOSS_TAG, load_scalars
+
+Series = dict[int, float]
+
+CE_TAG = "train/ce"
+HEAD_STEPS = 5  # steps listed one by one at the start
+DELTA_RUN = "delta"
+
+
+def _arm(pair: Path, name: str) -> tuple[Path, dict[str, Series], dict[int, dict]]:
+    run = pair / name
+    if not run.is_dir():
+        raise FileNotFoundError(f"arm folder {run} does not exist")
+    scalars = load_scalars(run)
+    if LOSS_TAG not in scalars:
+        raise ValueError(f"no {LOSS_TAG!r} scalars in the event files under {run}")
+    val = {}
+    for path in sorted((run / "validation").glob("step-*.json")):
+        data = json.loads(path.read_text())
+        val[int(data["step"])] = data
+    return run, scalars, val
+
+
+def write_delta_run(delta_dir: Path, series: dict[str, Series]) -> None:
+    """The deltas as a TensorBoard run beside the arms; replaces the previous run's event files."""
+    delta_dir.mkdir(parents=True, exist_ok=True)
+    for old in delta_dir.glob("events.out.tfevents.*"):
+        old.unlink()
+    writer = SummaryWriter(log_dir=str(delta_dir))
+    for tag, values in series.items():
+        for step, value in values.items():
+            writer.add_scalar(tag, value, step)
+    writer.close()
+
+
+def compare(
+    pair_dir: str | Path, out_dir: str | Path | None = None, control: str = "control", mhar: str = "mhar"
+) -> dict[str, Any]:
+    """Aligns the arms of a pair by step, writes `<pair>/delta/`, report.md and plots; returns the key figures."""
+    pair = Path(pair_dir)
+    if DELTA_RUN in (control, mhar):
+        raise ValueError(f"an arm cannot be named {DELTA_RUN!r}: that folder holds the deltas")
+    out = Path(out_dir) if out_dir is not None else pair / "compare"
+    c_run, cs, cv = _arm(pair, control)
+    m_run, ms, mv = _arm(pair, mhar)
+    c_loss, m_loss = cs[LOSS_TAG], ms[LOSS_TAG]
+    steps = sorted(set(c_loss) & set(m_loss))
+    if not steps:
+        raise ValueError(f"{c_run} and {m_run} have no {LOSS_TAG!r} step in common")
+    deltas = [m_loss[s] - c_loss[s] for s in steps]
+    noise = batch_noise([c_loss[s] for s in steps])
+
+    def ratio(x: float) -> float | None:
+        return x / noise if noise else None
+
+    n = len(steps)
+    quarters = []
+    for q in range(4):
+        lo, hi = q * n // 4, (q + 1) * n // 4
+        if lo < hi:
+            part = [abs(d) for d in deltas[lo:hi]]
+            mean_abs = statistics.fmean(part)
+            quarters.append(
+                {
+                    "first": steps[lo],
+                    "last": steps[hi - 1],
+                    "mean_delta": statistics.fmean(deltas[lo:hi]),
+                    "mean_abs_delta": mean_abs,
+                    "max_abs_delta": max(part),
+                    "ratio": ratio(mean_abs),
+                }
+            )
+    head = [
+        {"step": s, "control": c_loss[s], "mhar": m_loss[s], "delta": d, "ratio": ratio(abs(d))}
+        for s, d in zip(steps[:HEAD_STEPS], deltas, strict=False)
+    ]
+    val = cval.validation(cs, ms, cv, mv)
+    base = cval.base_check(cs, ms, cv, mv)
+    changes = {"control": cval.from_base(cs, cv), "mhar": cval.from_base(ms, mv)}
+
+    checks = {tag: divergence(cs.get(tag), ms.get(tag), steps) for tag in CHECKED}
+    data_tags = sorted(t for t in set(cs) | set(ms) if t == "data/docs" or t.startswith("data/tokens/"))
+    data: dict[str, Any] = {"identical": True if data_tags else None}
+    for tag in data_tags:
+        d = divergence(cs.get(tag), ms.get(tag), steps)
+        if d["identical"] is False and (data["identical"] or d["step"] < data["step"]):
+            data = {**d, "tag": tag}
+    checks["data"] = {**data, "tags": len(data_tags)}
+
+    tps = {
+        "control": median_after_warmup(cs.get("tokens_per_s")),
+        "mhar": median_after_warmup(ms.get("tokens_per_s")),
+    }
+    tps["ratio"] = tps["mhar"] / tps["control"] if tps["control"] and tps["mhar"] is not None else None
+
+    delta_series: dict[str, Series] = {
+        "delta/train_loss": dict(zip(steps, deltas, strict=True)),
+        "delta/abs_train_loss": {s: abs(d) for s, d in zip(steps, deltas, strict=True)},
+    }
+    if CE_TAG in cs and CE_TAG in ms:
+        delta_series["delta/train_ce"] = {
+            s: ms[CE_TAG][s] - cs[CE_TAG][s] for s in steps if s in cs[CE_TAG] and s in ms[CE_TAG]
+        }
+    for kind, tag in (("raw", "delta/val_ce"), ("ema", "delta/val_ce_ema")):
+        points = [(r["step"], r[kind]) for r in val if r[kind] is not None]
+        if points:
+            delta_series[tag] = {s: p["delta"] for s, p in points}
+            with_ci = [(s, p["ci"]) for s, p in points if p["ci"] is not None]
+            if with_ci:
+                delta_series[f"{tag}_ci_low"] = {s: ci["low"] for s, ci in with_ci}
+                delta_series[f"{tag}_ci_high"] = {s: ci["high"] for s, ci in with_ci}
+    for role, rows in changes.items():
+        for kind, tag in cval.VAL_TAGS.items():
+            points = {row["step"]: row[kind]["delta"] for row in rows if row[kind]}
+            if points:
+                delta_series[f"from_base/{role}/{tag.replace('/', '_')}"] = points
+    delta_dir = pair / DELTA_RUN
+    write_delta_run(delta_dir, delta_series)
+
+    result: dict[str, Any] = {
+        "pair": str(pair),
+        "arms": {"control": str(c_run), "mhar": str(m_run)},
+        "steps": steps,
+        "only_control": sorted(set(c_loss) - set(m_loss)),
+        "only_mhar": sorted(set(m_loss) - set(c_loss)),
+        "first_step": steps[0],
+        "first_step_delta": deltas[0],
+        "first_step_abs_delta": abs(deltas[0]),
+        "noise": noise,
+        "ratio_first": ratio(abs(deltas[0])),
+        "head": head,
+        "quarters": quarters,
+        "val": val,
+        "base": base,
+        "base_identical": base["identical"],
+        "from_base": changes,
+        "tokens_per_s": tps,
+        "checks": checks,
+        "lr_identical": checks["lr/decay"]["identical"],
+        "tokens_identical": checks["tokens_seen"]["identical"],
+        "data_identical": checks["data"]["identical"],
+        "delta_dir": str(delta_dir),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    result["plots"] = [str(p) for p in report.plots(out, steps, c_loss, m_loss, deltas, noise, val, control, mhar)]
+    report_md, evaluation = out / "report.md", out / "eval.md"  # eval.md: mhar_titan.eval's, kept when redone
+    text = report.report_text(result, control, mhar)
+    report_md.write_text(text + ("\n" + evaluation.read_text() if evaluation.exists() else ""))
+    result["report"] = str(report_md)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Paired comparison of the control and mhar runs of a pair.")
+    parser.add_argument("pair_dir", help="folder holding the two runs, e.g. runs/<pair>")
+    parser.add_argument("--out", help="report folder (default <pair_dir>/compare)")
+    parser.add_argument("--control", default="control", help="subfolder of the control run")
+    parser.add_argument("--mhar", default="mhar", help="subfolder of the MHAR run")
+    args = parser.parse_args(argv)
+    try:
+        result = compare(args.pair_dir, args.out, args.control, args.mhar)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"compare: {e}")
+    print("\n".join(report.summary_lines(result)))

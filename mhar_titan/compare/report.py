@@ -1,0 +1,205 @@
+"""The written side of the paired comparison: the plots, report.md and the summary printed by the command line,
+from the figures mhar_titan/compare/pair.py computed."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from mhar_titan.compare import validation as cval
+from mhar_titan.compare.stats import WARMUP_LOGS
+from mhar_titan.components.tensorboard_scalars import LOSS_TAG
+
+CHECKED = ("lr/decay", "tokens_seen")
+Series = dict[int, float]
+
+
+def plots(
+    out: Path,
+    steps: list[int],
+    c_loss: Series,
+    m_loss: Series,
+    deltas: list[float],
+    noise: float | None,
+    val: list[dict],
+    control: str,
+    mhar: str,
+) -> list[Path]:
+    def save(fig: Figure, name: str) -> Path:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        return out / name
+
+    fig = Figure(figsize=(8, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(steps, [c_loss[s] for s in steps], lw=0.8, label=control)
+    ax.plot(steps, [m_loss[s] for s in steps], lw=0.8, label=mhar, alpha=0.8)
+    ax.set(xlabel="step", ylabel=LOSS_TAG, title="training loss")
+    ax.legend()
+    paths = [save(fig, "train_loss.png")]
+
+    fig = Figure(figsize=(8, 6.5))
+    FigureCanvasAgg(fig)
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    top.plot(steps, deltas, lw=0.8, color="C3", label=f"Δ = {mhar} − {control}")
+    abs_d = [abs(d) for d in deltas]
+    bottom.plot(steps, abs_d, lw=0.8, color="C3", label="|Δ|")
+    if noise:
+        top.fill_between(steps, -noise, noise, color="0.85", label=f"± control batch noise ({noise:.2e})")
+        bottom.axhline(noise, color="0.4", ls="--", label="control batch noise")
+    if any(abs_d):
+        bottom.set_yscale("log")
+    top.axhline(0, color="k", lw=0.5)
+    top.set(ylabel="Δ train loss", title="paired training-loss difference")
+    bottom.set(xlabel="step", ylabel="|Δ train loss|")
+    top.legend(loc="upper right")
+    bottom.legend(loc="lower right")
+    paths.append(save(fig, "delta_train_loss.png"))
+
+    stale = out / "val_delta.png"
+    stale.unlink(missing_ok=True)
+    if any(r["raw"] or r["ema"] for r in val):
+        fig = Figure(figsize=(8, 4.5))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        span = (val[-1]["step"] - val[0]["step"]) or 1
+        for i, (kind, label) in enumerate((("raw", "raw weights"), ("ema", "EMA weights"))):
+            shift = (i - 0.5) * 0.01 * span
+            ci = [(r["step"] + shift, r[kind]["ci"]) for r in val if r[kind] and r[kind]["ci"]]
+            if ci:
+                ax.errorbar(
+                    [x for x, _ in ci],
+                    [c["mean"] for _, c in ci],
+                    yerr=[c["half_width"] for _, c in ci],
+                    fmt="o",
+                    color=f"C{i}",
+                    capsize=3,
+                    label=f"{label}: mean per-batch Δ, 95% CI",
+                )
+            agg = [(r["step"] + shift, r[kind]["delta"]) for r in val if r[kind]]
+            ax.plot([x for x, _ in agg], [d for _, d in agg], "x", color=f"C{i}", label=f"{label}: Δ val CE")
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set(xlabel="step", ylabel="Δ val CE", title=f"validation: {mhar} − {control}")
+        ax.legend()
+        paths.append(save(fig, "val_delta.png"))
+    return paths
+
+
+def _f(x: float | None, fmt: str = ".3e") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def _steps_text(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    if len(steps) <= 8:
+        return ", ".join(map(str, steps))
+    return f"{len(steps)} steps between {steps[0]} and {steps[-1]}"
+
+
+def _check_text(check: dict[str, Any], control: str, mhar: str, n: int) -> str:
+    if check["identical"] is None:
+        return "n/a (absent in both arms)"
+    if check["identical"]:
+        return f"identical over the {n} aligned steps"
+    where = f"`{check['tag']}` " if "tag" in check else ""
+    c, m = ("missing" if v is None else v for v in (check["control"], check["mhar"]))
+    return f"**diverges** ({where}first at step {check['step']}: {control} {c}, {mhar} {m})"
+
+
+def report_text(r: dict[str, Any], control: str, mhar: str) -> str:
+    steps, noise = r["steps"], r["noise"]
+    first_loss = r["head"][0]["control"]
+    ulp = 2.0 ** (math.frexp(first_loss)[1] - 24) if first_loss else None
+    lines = [
+        f"# Paired comparison: {r['pair']}",
+        "",
+        f"Δ = `{mhar}` − `{control}` ({r['arms']['mhar']} − {r['arms']['control']}), aligned on the "
+        f"{len(steps)} steps both arms logged ({steps[0]}..{steps[-1]}).",
+        f"Steps in `{control}` only: {_steps_text(r['only_control'])}. "
+        f"Steps in `{mhar}` only: {_steps_text(r['only_mhar'])}.",
+        f"The deltas are the TensorBoard run `{r['delta_dir']}`: `tensorboard --logdir {r['pair']}` overlays "
+        "control, mhar and delta.",
+        "",
+    ]
+    warning = cval.base_warning(r["base"], control, mhar)
+    lines += [warning, ""] if warning else []
+    lines += [
+        "## Training loss",
+        "",
+        f"Batch-to-batch noise of the control: **{_f(noise)}**, the sd of its successive loss differences / √2 over "
+        "the aligned steps (differencing removes the slow trend and doubles the variance of independent noise).",
+        f"Losses are float32 in TensorBoard: one ulp at the step-{steps[0]} loss is {_f(ulp, '.1e')}.",
+        "",
+        f"Step {r['first_step']}: |Δ| = **{_f(r['first_step_abs_delta'])}**, "
+        f"{_f(r['ratio_first'], '.3g')} × the noise.",
+        "",
+        "### Start",
+        "",
+        f"| step | {control} | {mhar} | Δ | \\|Δ\\| / noise |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {h['step']} | {h['control']:.6f} | {h['mhar']:.6f} | {h['delta']:+.3e} | {_f(h['ratio'], '.3g')} |"
+        for h in r["head"]
+    ]
+    lines += [
+        "",
+        "### Over training (quarters of the aligned steps)",
+        "",
+        "| steps | mean Δ | mean \\|Δ\\| | max \\|Δ\\| | mean \\|Δ\\| / noise |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {q['first']}..{q['last']} | {q['mean_delta']:+.3e} | {q['mean_abs_delta']:.3e} | "
+        f"{q['max_abs_delta']:.3e} | {_f(q['ratio'], '.3g')} |"
+        for q in r["quarters"]
+    ]
+    lines += ["", "![training loss](train_loss.png)", "", "![delta training loss](delta_train_loss.png)", ""]
+
+    lines += cval.report_lines(r, control, mhar)
+
+    t = r["tokens_per_s"]
+    lines += [
+        "## Throughput",
+        "",
+        f"| | {control} | {mhar} | {mhar}/{control} |",
+        "|---|---:|---:|---:|",
+        f"| tokens/s per device (median after the first {WARMUP_LOGS} log steps) | {_f(t['control'], ',.0f')} | "
+        f"{_f(t['mhar'], ',.0f')} | {_f(t['ratio'], '.4f')} |",
+        "",
+        "## Consistency (same schedule, same data)",
+        "",
+        "| series | result |",
+        "|---|---|",
+    ]
+    n = len(steps)
+    lines += [f"| `{tag}` | {_check_text(r['checks'][tag], control, mhar, n)} |" for tag in CHECKED]
+    data = r["checks"]["data"]
+    lines += [
+        f"| data counters (`data/docs`, `data/tokens/*`: {data['tags']} tags) | "
+        f"{_check_text(data, control, mhar, n)} |",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def summary_lines(r: dict[str, Any]) -> list[str]:
+    steps = r["steps"]
+    lines = [
+        f"aligned {len(steps)} steps ({steps[0]}..{steps[-1]}); only control: {len(r['only_control'])}, "
+        f"only mhar: {len(r['only_mhar'])}",
+        f"step {r['first_step']}: |Δ loss| {_f(r['first_step_abs_delta'])} = {_f(r['ratio_first'], '.3g')} × "
+        f"control noise {_f(r['noise'])}",
+        "mean |Δ|/noise per quarter: " + ", ".join(_f(q["ratio"], ".3g") for q in r["quarters"]),
+    ]
+    lines += cval.summary_lines(r)
+    lines.append(f"tokens/s mhar/control: {_f(r['tokens_per_s']['ratio'], '.4f')}")
+    lines.append("identical: " + ", ".join(f"{k} {r['checks'][k]['identical']}" for k in (*CHECKED, "data")))
+    lines += [f"wrote {p}" for p in (r["delta_dir"], r["report"], *r["plots"])]
+    return lines

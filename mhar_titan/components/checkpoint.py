@@ -1,0 +1,282 @@
+"""torchtitan's CheckpointManager, with a graft-aware first load from an HF checkpoint, a base load
+that checkpointing being off cannot skip, checksummed saves verified before every load, a fallback
+to the previous checkpoint when the newest is damaged, a retention policy that counts only
+complete checkpoints (last `keep_latest_k`, plus every `keep_every`-th step), and non-tensor
+state read back as data only.
+
+A checkpoint is complete once DCP has written its `.metadata`, which it does last: a job
+killed mid-write leaves a folder without it, which is never loaded and is removed later.
+
+The routing parameters of the MHAR arm are not in the base checkpoint: they keep
+their initialisation (gate 0, so the model is the base model) and are listed in
+the load ledger, which every rank checks (a bad checkpoint fails on all ranks,
+not as a collective hang) and rank 0 prints and writes to <dump_folder>/load_ledger.json.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
+from torchtitan.tools.logging import logger
+
+from mhar_titan.components.checksums import verify_share, write_manifest
+from mhar_titan.hf.ledger import build_ledger
+from mhar_titan.model.state_dict_adapter import OUR_ROUTING
+
+LEDGER_FILE = "load_ledger.json"
+_COMPLETE = ".metadata"  # DCP writes it last: the one rule for "complete", here and in the tools
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint file differs from the checksum recorded when it was saved."""
+
+
+class DataOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor entries (step counters, LR scheduler and
+    optimizer settings, data-stream states) are unpickled by torch.load(weights_only=True), which
+    builds plain data and tensors only: a crafted entry cannot run code. What it built is saved again
+    and handed to DCP's own load_bytes (torch/distributed/checkpoint/default_planner.py), which
+    then unpickles only what we wrote."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:  # pickle.UnpicklingError and friends: report which entry
+            raise ValueError(
+                f"checkpoint entry {read_item.dest_index.fqn!r} is not plain data ({type(e).__name__}); "
+                "refusing to unpickle it"
+            ) from e
+        clean = io.BytesIO()
+        torch.save(obj, clean)
+        clean.seek(0)
+        super().load_bytes(read_item, clean)
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _gather(value: Any) -> list[Any]:
+    """Every rank's `value` (small, picklable), on every rank."""
+    world = _rank_world()[1]
+    if world == 1:
+        return [value]
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
+def _cause(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()][-1:] or [""]
+    return f"{type(error).__name__}: {lines[0][:300]}"
+
+
+def verify_checkpoint(checkpoint_id: str) -> None:
+    """Every rank checks its share of the files against their checksums and all agree; raises
+    DamagedCheckpoint naming the files that differ, warns about files without a recorded checksum."""
+    rank, world = _rank_world()
+    began = time.perf_counter()
+    try:
+        mine = verify_share(checkpoint_id, rank, world)
+    except OSError as e:  # reported, not raised here: the other ranks wait in the gather below
+        mine = ([f"{checkpoint_id}: {type(e).__name__}: {e}"], [])
+    everyone = _gather(mine)
+    problems = [p for share in everyone for p in share[0]]
+    unverified = sorted(n for share in everyone for n in share[1])
+    if problems:
+        raise DamagedCheckpoint(f"{len(problems)} damaged files: " + "; ".join(problems[:4]))
+    if unverified:
+        logger.warning(
+            f"{checkpoint_id}: {len(unverified)} files have no recorded checksum ({', '.join(unverified[:4])}): "
+            "a checkpoint from before checksums, or a job stopped between the save and its checksums; loading it "
+            "unverified"
+        )
+    else:
+        logger.info(f"{checkpoint_id}: checksums verified in {time.perf_counter() - began:.1f} s")
+
+
+def complete_steps(folder: str) -> list[int]:
+    """Steps with a complete checkpoint (DCP's `.metadata` written), ascending."""
+    steps = []
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        m = re.fullmatch(r"step-(\d+)", name)
+        if m and os.path.isfile(os.path.join(folder, name, _COMPLETE)):
+            steps.append(int(m[1]))
+    return sorted(steps)
+
+
+class CPTCheckpointManager(CheckpointManager):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        cfg = kwargs["checkpoint_config"]
+        self.keep_every = getattr(cfg, "keep_every", 0)
+        if not self.enable:
+            # torchtitan sets its load policy only with checkpointing on; the base load needs it either way.
+            self.folder = os.path.join(kwargs.get("base_folder", ""), cfg.folder)
+            self.sd_adapter = kwargs.get("sd_adapter")
+            self.initial_load_path = cfg.initial_load_path
+            self.initial_load_in_hf = cfg.initial_load_in_hf
+            self.initial_load_in_hf_quantized = cfg.initial_load_in_hf_quantized
+            self.initial_load_model_only = cfg.initial_load_model_only
+            self.exclude_from_loading = cfg.exclude_from_loading
+
+    def load(self, step: int = -1) -> bool:
+        """The run's latest complete checkpoint, verified; if damaged or unreadable, the one before it
+        (and says so); with none, the base (whether or not periodic checkpoints are on). Logs which
+        weights the run starts from. Forked from torchtitan 0.2.2 torchtitan/components/checkpoint.py,
+        CheckpointManager.load (and _find_load_step for the step-N folders)."""
+        if step != -1:  # --checkpoint.load_step: that one or nothing
+            if not self.enable:
+                raise ValueError(f"checkpoint.load_step = {step} needs checkpoint.enable = true")
+            checkpoint_id = self._create_checkpoint_id(step)
+            if os.path.isfile(os.path.join(checkpoint_id, ".metadata")):
+                verify_checkpoint(checkpoint_id)
+            loaded = super().load(step)
+            logger.info(f"The run resumes from its checkpoint {checkpoint_id} (step {step})")
+            return loaded
+        candidates = complete_steps(self.folder)[::-1] if self.enable else []
+        for i, candidate in enumerate(candidates):
+            checkpoint_id = self._create_checkpoint_id(candidate)
+            error: BaseException | None = None
+            try:
+                if os.path.isfile(os.path.join(checkpoint_id, ".metadata")):
+                    verify_checkpoint(checkpoint_id)
+                super().load(step=candidate)
+            except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+                error = e
+            # A rank that failed on its own (a data stream's state it alone reads) must not leave the
+            # others training on a checkpoint it could not load: every rank takes the same decision.
+            failures = _gather(None if error is None else _cause(error))
+            if not any(failures):
+                logger.info(f"The run resumes from its checkpoint {checkpoint_id} (step {candidate})")
+                return True
+            cause = next(f for f in failures if f)
+            if i + 1 == len(candidates):
+                if error is not None:
+                    raise error
+                raise RuntimeError(f"checkpoint {checkpoint_id} could not be loaded on another rank: {cause}")
+            logger.warning(
+                f"checkpoint {checkpoint_id} could not be loaded ({cause}); falling back to step {candidates[i + 1]}"
+            )
+        return self._load_base()
+
+    def _load_base(self) -> bool:
+        """The first start's load, as torchtitan's CheckpointManager.load does it when the checkpoint
+        folder does not exist (components/checkpoint.py), but also when the folder holds no complete
+        checkpoint, and with periodic checkpoints off."""
+        from_hf = self.initial_load_in_hf
+        path = self.initial_load_path or (self.sd_adapter.hf_assets_path if from_hf and self.sd_adapter else "")
+        if not path:
+            logger.warning(
+                "The run starts from a random initialisation: no checkpoint of its own and no base "
+                "(set checkpoint.initial_load_in_hf with model.hf_assets_path, or checkpoint.initial_load_path)"
+            )
+            return False
+        if not os.path.isdir(path):
+            raise ValueError(f"base {path!r} (checkpoint.initial_load_path or model.hf_assets_path): not a folder")
+        model_only = from_hf or self.initial_load_model_only
+        if not from_hf and os.path.isfile(os.path.join(path, ".metadata")):
+            verify_checkpoint(path)
+        self.dcp_load(
+            self._states_to_load(model_only),
+            checkpoint_id=path,
+            from_hf=from_hf,
+            from_quantized=self.initial_load_in_hf_quantized,
+        )
+        kind = "HF safetensors" if from_hf else "DCP" + (", model only" if model_only else "")
+        logger.info(f"The run starts from the base {path} ({kind}) at step 0")
+        return True
+
+    def _purge_stale_checkpoints(self) -> None:
+        """Forked from torchtitan 0.2.2 torchtitan/components/checkpoint.py, CheckpointManager.
+        _purge_stale_checkpoints: counts complete checkpoints only, and keeps every keep_every-th."""
+        if self.keep_latest_k <= 0 or dist.get_rank() != 0 or not os.path.isdir(self.folder):
+            return
+        complete = complete_steps(self.folder)
+        keep = set(complete[-self.keep_latest_k :])
+        if self.keep_every > 0:
+            keep |= {s for s in complete if s % self.keep_every == 0}
+        newest = complete[-1] if complete else -1
+        present = [int(m[1]) for name in os.listdir(self.folder) if (m := re.fullmatch(r"step-(\d+)", name))]
+        # complete ones beyond the policy, and unfinished writes older than the newest complete one
+        for step in sorted(s for s in present if s not in keep and (s in complete or s < newest)):
+            self.purge_queue.put(self._create_checkpoint_id(step))
+
+    def save_now(self, step: int) -> None:
+        """A full, resumable checkpoint at `step` whatever the interval (preemption, a stop on bad steps)."""
+        if not self.enable or self.load_only:
+            logger.warning(f"step {step}: checkpointing is off, nothing saved")
+            return
+        self._async_wait()
+        if os.path.isfile(os.path.join(self._create_checkpoint_id(step), ".metadata")):
+            return  # the interval save of this step already wrote it
+        logger.info(f"Saving a full checkpoint at step {step} now")
+        self.dcp_save(
+            self._flattened_model_states_sd(),
+            checkpoint_id=self._create_checkpoint_id(step),
+            async_mode=AsyncMode.DISABLED,
+            enable_garbage_collection=True,
+        )
+        self._purge_stale_checkpoints()
+
+    def dcp_save(
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_id: str,
+        async_mode: AsyncMode,
+        enable_garbage_collection: bool = False,
+        to_hf: bool = False,
+    ) -> Any:
+        """torchtitan's save, then this rank's checksums once its files are written (at once, or when an
+        asynchronous save completes)."""
+        ret = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        if to_hf:
+            return ret
+        rank = _rank_world()[0]
+        future = getattr(ret, "upload_completion", ret)
+        if isinstance(future, Future):
+            future.add_done_callback(lambda f: f.exception() is None and self._checksum(checkpoint_id, rank))
+        else:
+            self._checksum(checkpoint_id, rank)
+        return ret
+
+    @staticmethod
+    def _checksum(checkpoint_id: str, rank: int) -> None:
+        began = time.perf_counter()
+        write_manifest(checkpoint_id, rank)
+        logger.info(f"{checkpoint_id}: rank {rank}'s checksums written in {time.perf_counter() - began:.2f} s")
+
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        """Forked from torchtitan 0.2.2 torchtitan/components/checkpoint.py, CheckpointManager.dcp_load: the
+        DCP branch reads non-tensor entries as data only; the HF branch keeps the graft's load ledger."""
+        if not from_hf:  # torchtitan's DCP load, with non-tensor entries read as data only
+            dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=DataOnlyLoadPlanner())
+            if MODEL in self.states:
+                self.states[MODEL].load_state_dict(state_dict)
+            return
+        ledger = build_ledger(checkpoint_id, {k: v.shape for k, v in state_dict.items()}, self.sd_adapter)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        if rank0:
+            logger.info(ledger.summary())
+            run_dir = os.path.dirname(self.folder)
+            os.makedirs(run_dir, exist_ok=True)
+            with open(os.path.join(run_dir, LEDGER_FILE), "w") as f:
+                f.write(ledger.to_json())
+        if not ledger.ok:
+            raise ValueError(ledger.summary())
+        base = {k: v for k, v in state_dict.items() if not OUR_ROUTING.match(k)}
+        hf_state_dict = self.sd_adapter.to_hf(base)
+        dcp.load(hf_state_dict, storage_reader=self.sd_adapter.get_hf_storage_reader(checkpoint_id, from_quantized))
+        self.states[MODEL].load_state_dict(self.sd_adapter.from_hf(hf_state_dict))

@@ -1,0 +1,111 @@
+"""AdamW with parameter groups: weight decay on matrices only; routing at lr * lr_multiplier.
+
+torchtitan's container puts every parameter of a model part in one group; this
+one splits each part by module type, so names changed by activation
+checkpointing or compile wrappers do not matter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.config import Optimizer as OptimizerConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.tools.logging import logger
+
+from mhar_titan.model.model import RoutingSite
+
+NORMS = (nn.RMSNorm, nn.LayerNorm)
+
+
+def decay_split(model: nn.Module, decay_output: bool = True) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """{"decay", "no_decay", "routing"}: (name, parameter) by module type, not by name.
+
+    No decay: embeddings, norms, biases, and the output projection unless `decay_output`;
+    routing: every parameter of a routing site (no decay, its own LR).
+    """
+    kind: dict[int, str] = {}
+    output = getattr(model, "output", None)
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if isinstance(module, RoutingSite):
+                kind[id(p)] = "routing"
+            elif isinstance(module, (nn.Embedding, *NORMS)) or name == "bias":
+                kind[id(p)] = "no_decay"
+            elif module is output and not decay_output:
+                kind[id(p)] = "no_decay"
+    split: dict[str, list[tuple[str, nn.Parameter]]] = {"decay": [], "no_decay": [], "routing": []}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            split[kind.get(id(p), "decay")].append((name, p))
+    return split
+
+
+def param_groups(model: nn.Module, lr: float, lr_multiplier: float, decay_output: bool = True) -> list[dict[str, Any]]:
+    """AdamW groups: decay (the configured weight decay), no_decay, routing (lr * lr_multiplier)."""
+    split = decay_split(model, decay_output)
+    groups: list[dict[str, Any]] = [{"params": [p for _, p in split["decay"]], "name": "decay"}]
+    if split["no_decay"]:
+        groups.append({"params": [p for _, p in split["no_decay"]], "name": "no_decay", "weight_decay": 0.0})
+    if split["routing"]:
+        groups.append(
+            {
+                "params": [p for _, p in split["routing"]],
+                "name": "routing",
+                "weight_decay": 0.0,
+                "lr": lr * lr_multiplier,
+            }
+        )
+    for group in groups:
+        n = sum(p.numel() for p in group["params"])
+        logger.info(f"optimizer group {group['name']}: {len(group['params'])} tensors, {n:,} parameters")
+    return groups
+
+
+class GroupedOptimizersContainer(OptimizersContainer):
+    """One optimizer per model part, each over `param_groups` of that part."""
+
+    def __init__(
+        self, model_parts: list[nn.Module], optimizer_cls: type, optimizer_kwargs: dict[str, Any], decay_output: bool
+    ) -> None:
+        all_params = []
+        self.optimizers = []
+        self.model_parts = model_parts
+        for model in model_parts:
+            mhar = getattr(getattr(model, "model_args", None), "mhar", None)
+            multiplier = mhar.lr_multiplier if mhar is not None else 1.0
+            groups = param_groups(model, optimizer_kwargs["lr"], multiplier, decay_output)
+            self.optimizers.append(optimizer_cls(groups, **optimizer_kwargs))
+            all_params.extend(p for g in groups for p in g["params"])
+        self._validate_length(len(model_parts))
+        self._post_init(all_params, optimizer_kwargs)
+
+
+_OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+
+
+def build_optimizers(
+    model_parts: list[nn.Module], optimizer_config: OptimizerConfig, parallel_dims: ParallelDims, **_: Any
+) -> OptimizersContainer:
+    """The `TrainSpec` optimizer builder: torchtitan's `[optimizer]` settings, grouped parameters."""
+    cfg = optimizer_config
+    if cfg.name not in _OPTIMIZERS:
+        raise ValueError(f"[optimizer] name = {cfg.name!r}: expected one of {', '.join(_OPTIMIZERS)}")
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):  # lr = 0 would train nothing, silently
+        raise ValueError(f"[optimizer] lr = {cfg.lr} must be a positive finite number")
+    if cfg.early_step_in_backward:
+        raise ValueError("[optimizer] early_step_in_backward is not supported with parameter groups")
+    kwargs = {
+        "lr": cfg.lr,
+        "betas": (cfg.beta1, cfg.beta2),
+        "eps": cfg.eps,
+        "weight_decay": cfg.weight_decay,
+        "fused": cfg.implementation == "fused",
+        "foreach": cfg.implementation == "foreach",
+    }
+    decay_output = getattr(cfg, "weight_decay_output", True)
+    return GroupedOptimizersContainer(model_parts, _OPTIMIZERS[cfg.name], kwargs, decay_output)

@@ -1,0 +1,136 @@
+"""Validation over a fixed set: the same batches at every evaluation, cross-entropy only.
+
+torchtitan's validator keeps one iterator across evaluations (each sees different
+batches) and reuses the training loss (z-loss included). Here every evaluation runs
+the same first `validation.steps` batches of each rank (all of them with -1), every
+rank runs the same number of batches (FSDP forwards are collective), and the value
+is the token-weighted cross-entropy over all ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.tools.logging import logger
+
+from data.loader import Encoder, ValidationLoader, data_config
+from data.shards import list_shards
+from mhar_titan.components.loss import cross_entropy_sum
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class FixedSetValidator:
+    """Cross-entropy of the model on the validation set; `validate` returns it (every rank)."""
+
+    def __init__(
+        self,
+        job_config: JobConfig,
+        loader: ValidationLoader,
+        parallel_dims: ParallelDims,
+        validation_context: Callable[[], AbstractContextManager[None]],
+        maybe_enable_amp: AbstractContextManager[None],
+    ):
+        self.freq, self.max_batches = job_config.validation.freq, job_config.validation.steps
+        self.loader, self.parallel_dims = loader, parallel_dims
+        self.context, self.amp = validation_context, maybe_enable_amp
+        self._batches: list[Batch] | None = None
+        self.per_batch: list[list[float]] = []
+
+    def should_validate(self, step: int) -> bool:
+        return self.freq > 0 and step % self.freq == 0
+
+    def _group(self) -> dist.ProcessGroup | None:
+        return self.parallel_dims.get_mesh("batch").get_group() if self.parallel_dims.dp_enabled else None
+
+    def batches(self, device: torch.device) -> list[Batch]:
+        """This rank's share, read once and kept (token ids on CPU), cut to the count every rank has."""
+        if self._batches is not None:
+            return self._batches
+        mine: list[Batch] = []
+        for inputs, labels in self.loader:
+            mine.append((inputs["input"], labels))
+            if len(mine) == self.max_batches:
+                break
+        common = torch.tensor([len(mine)], device=device)
+        if self._group() is not None:
+            dist.all_reduce(common, op=dist.ReduceOp.MIN, group=self._group())
+        n = int(common.item())
+        if n == 0:
+            raise ValueError(
+                f"validation: a rank has no full batch of {self.loader.batch} x {self.loader.seq_len} tokens "
+                f"(shards {self.loader.shards}); add validation data or lower validation.local_batch_size / seq_len"
+            )
+        if len(mine) > n:
+            logger.warning(
+                f"validation: this rank has {len(mine)} batches, the smallest share {n}; "
+                f"{len(mine) - n} left out so every rank runs the same number"
+            )
+        self._batches = mine[:n]
+        logger.info(f"validation set: {n} batches of {self.loader.batch} x {self.loader.seq_len} tokens per rank")
+        return self._batches
+
+    @torch.no_grad()
+    def validate(self, model_parts: list[nn.Module], step: int) -> float:
+        """The cross-entropy per valid token; `per_batch` then holds every batch's (CE sum, tokens), rank-major."""
+        model = model_parts[0]
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        rows = []
+        for inputs, labels in self.batches(device):
+            inputs, labels = inputs.to(device), labels.to(device)
+            with self.context(), self.amp:
+                ce = cross_entropy_sum(model(inputs), labels)
+            rows.append(torch.stack([ce.double(), (labels != IGNORE_INDEX).sum().double()]))
+        mine = torch.stack(rows)  # [batches, 2]
+        if self._group() is not None:
+            everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group()))]
+            dist.all_gather(everyone, mine, group=self._group())
+            mine = torch.cat(everyone)
+        model.train(was_training)
+        self.per_batch = mine.tolist()
+        total = mine.sum(0)
+        return (total[0] / total[1]).item()
+
+
+def build_fixed_set_validator(
+    job_config: JobConfig,
+    dp_world_size: int,
+    dp_rank: int,
+    tokenizer: BaseTokenizer,
+    parallel_dims: ParallelDims,
+    validation_context: Callable[[], AbstractContextManager[None]],
+    maybe_enable_amp: AbstractContextManager[None],
+    **_: object,
+) -> FixedSetValidator:
+    """The `TrainSpec` validator builder: `[data] validation_paths` or the held-out fraction."""
+    if not isinstance(tokenizer, HuggingFaceTokenizer):
+        raise TypeError("validation needs the HF tokenizer of model.hf_assets_path")
+    cfg = data_config(job_config)
+    v = job_config.validation
+    if v.seq_len > job_config.training.seq_len:
+        # The model's RoPE table covers training.seq_len positions (torchtitan sets max_seq_len to it):
+        # fail at start-up, not at the first evaluation (step 0 with validation.at_start).
+        raise ValueError(
+            f"[validation] seq_len = {v.seq_len} exceeds [training] seq_len = {job_config.training.seq_len}, "
+            "the longest sequence the model is built for; lower validation.seq_len"
+        )
+    loader = ValidationLoader(
+        cfg,
+        list_shards(cfg.paths, cfg.manifest),
+        Encoder(tokenizer),
+        v.seq_len,
+        v.local_batch_size,
+        dp_rank,
+        dp_world_size,
+    )
+    return FixedSetValidator(job_config, loader, parallel_dims, validation_context, maybe_enable_amp)

@@ -1,0 +1,111 @@
+"""The layout's rules, checked: which imports load what, no import cycles (function-local imports included),
+no long modules, model code free of infrastructure, a package import with no side effects."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("mhar_titan", "kernels", "data", "benchmarks")
+MAX_LINES = 450
+# Model code (torchtitan's models/llama3/model): parallelize.py is the model's infrastructure, apart.
+MODEL_CODE = ("mhar_titan.model.args", "mhar_titan.model.hf_config", "mhar_titan.model.model",
+              "mhar_titan.model.state_dict_adapter")  # fmt: skip
+INFRASTRUCTURE = ("mhar_titan.components", "mhar_titan.hf", "mhar_titan.compare", "mhar_titan.eval",
+                  "mhar_titan.trainer", "mhar_titan.train_spec", "mhar_titan.config", "mhar_titan.cpu", "data",
+                  "benchmarks", "torchtitan.train", "torchtitan.components", "torch.distributed")  # fmt: skip
+
+
+def _modules() -> dict[str, Path]:
+    out = {"train_cpt": REPO / "train_cpt.py"}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Project modules `name` imports anywhere in its body (function-local imports too)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return {m for m in found if m in known and m != name}
+
+
+def _loaded_after(statement: str) -> list[str]:
+    code = f"import sys; {statement}; print('\\n'.join(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    return done.stdout.split()
+
+
+def test_kernels_load_nothing_of_the_project_or_torchtitan():
+    loaded = _loaded_after("import kernels")
+    assert not [m for m in loaded if m.split(".")[0] in ("mhar_titan", "torchtitan", "data", "benchmarks")]
+
+
+def test_the_comparison_cli_loads_no_triton_and_no_trainer():
+    loaded = _loaded_after("import mhar_titan.compare.__main__")
+    assert not [m for m in loaded if m.split(".")[0] in ("triton", "kernels") or m in ("mhar_titan.trainer",
+                                                                                    "torchtitan.train")]  # fmt: skip
+
+
+def test_importing_the_package_registers_nothing():
+    loaded = _loaded_after("import mhar_titan")
+    assert not [m for m in loaded if m.startswith(("mhar_titan.", "torchtitan"))]
+    for path in [REPO / "mhar_titan" / "__init__.py", *(REPO / "mhar_titan").glob("*/__init__.py")]:
+        body = ast.parse(path.read_text()).body
+        assert len(body) == 1 and isinstance(body[0].value, ast.Constant), f"{path}: more than a docstring"
+
+
+def test_no_import_cycles_anywhere():
+    known = _modules()
+    graph = {name: _imports(name, path, known) for name, path in known.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt) :] + [nxt]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+    assert len(graph) > 60  # the walk saw the project, not an empty tree
+
+
+def test_model_code_imports_no_infrastructure():
+    known = _modules()
+    for name in MODEL_CODE:
+        tree = ast.parse(known[name].read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            bad = [n for n in names if any(n == p or n.startswith(p + ".") for p in INFRASTRUCTURE)]
+            assert not bad, f"{name} imports {bad}"
+
+
+def test_modules_are_short_and_say_what_they_hold():
+    for path in _modules().values():
+        lines = path.read_text().count("\n")
+        assert lines <= MAX_LINES, f"{path.relative_to(REPO)}: {lines} lines"
+        assert ast.get_docstring(ast.parse(path.read_text())), f"{path.relative_to(REPO)}: no docstring"
