@@ -10,13 +10,17 @@ tokens/s per device, MFU (torchtitan's formula: 6 x parameters + attention flops
 the device's peak bf16 flops) and peak active memory from its TensorBoard log, over the steps
 after `--warmup`: throughput as tokens over time (a harmonic mean, so periodic work such as an
 EMA update every 10 steps counts at its real share), memory as the peak. Default geometry: the
-8B width cut to 16 layers, seq 4096, microbatch 2, bf16 compute, full activation checkpointing,
-per-block compile, 4 MHAR blocks, EMA every 10 steps as in configs/marin8b_*.toml.
+8B width cut to 16 layers, seq 4096, microbatch 2, bf16 compute, per-block compile, EMA every 10
+steps as in configs/marin8b_*.toml, and 8 MHAR blocks: over 16 layers that gives each site 2 to 9
+sources, the same distribution as the marin8b configs' 8 blocks over 32 layers. `--ac` runs the
+arms under each activation-checkpointing mode asked for (full, selective: torchtitan's op-level
+selective AC, none) and prints MHAR/control and control/stock for each mode.
 `--smoke` runs the tiny flavor on CPU for a few steps (plumbing only, no speed figure).
 `--profile` also traces each arm's last step with torchtitan's profiler (the two steps it
 takes are left out of the throughput) and prints GPU time by kernel kind, arm beside arm.
 
-    python -m benchmarks.bench_step [--arms stock,control,...] [--steps 14] [--warmup 4] [--profile]
+    python -m benchmarks.bench_step [--arms stock,control,...] [--ac full,selective,none] [--num-blocks 8]
+                                    [--steps 14] [--warmup 4] [--profile]
 """
 
 from __future__ import annotations
@@ -52,19 +56,34 @@ GPU = [
     "--ema.beta", "0.999", "--ema.every", "10",  # as in configs/marin8b_*.toml
 ]  # fmt: skip
 SMOKE = ["--model.flavor", "tiny", "--training.seq_len", "128", "--training.local_batch_size", "2"]
-BLOCKS = {False: ["--mhar.num_blocks", "4"], True: ["--mhar.num_blocks", "2"]}  # keyed by smoke
+NUM_BLOCKS = {False: 8, True: 2}  # keyed by smoke: the tiny flavor has 4 layers
+AC_MODES = {
+    "full": ["--activation_checkpoint.mode", "full"],
+    "selective": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    "none": ["--activation_checkpoint.mode", "none"],
+}
 
 
-def arm_command(arm: str, run: Path, nproc: int, steps: int, smoke: bool, profile: bool = False) -> list[str]:
+def arm_command(
+    arm: str,
+    run: Path,
+    nproc: int,
+    steps: int,
+    smoke: bool,
+    profile: bool = False,
+    ac: str = "full",
+    num_blocks: int | None = None,
+) -> list[str]:
     common = [
         "--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--job.dump_folder", str(run),
         "--job.custom_config_module", "mhar_titan.config", "--training.steps", str(steps),
         "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.total_steps", str(steps), "--metrics.log_freq", "1",
-        "--checkpoint.no-enable", "--validation.no-enable", "--activation_checkpoint.mode", "full",
+        "--checkpoint.no-enable", "--validation.no-enable", *AC_MODES[ac],
     ]  # fmt: skip
     geometry = SMOKE if smoke else GPU
     if arm != "stock":  # torchtitan's own model knows no [mhar]
-        geometry = [*geometry, *BLOCKS[smoke]]
+        blocks = NUM_BLOCKS[smoke] if num_blocks is None else num_blocks
+        geometry = [*geometry, "--mhar.num_blocks", str(blocks)]
     if profile:  # trace the last step, after one profiler warm-up step
         geometry = [
             *geometry, "--profiling.enable_profiling", "--profiling.profile_freq", str(steps),
@@ -84,12 +103,20 @@ def aggregate(series: dict[int, float], warmup: int, how: str, last: int | None 
 
 
 def run_arm(
-    arm: str, out: Path, nproc: int, steps: int, warmup: int, smoke: bool, profile: bool = False
+    arm: str,
+    out: Path,
+    nproc: int,
+    steps: int,
+    warmup: int,
+    smoke: bool,
+    profile: bool = False,
+    ac: str = "full",
+    num_blocks: int | None = None,
 ) -> dict[str, float]:
     run = out / arm
     shutil.rmtree(run, ignore_errors=True)
-    cmd = arm_command(arm, run, nproc, steps, smoke, profile)
-    print(f"[{arm}] {' '.join(cmd)}", flush=True)
+    cmd = arm_command(arm, run, nproc, steps, smoke, profile, ac, num_blocks)
+    print(f"[{ac}/{arm}] {' '.join(cmd)}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if smoke:  # the Triton kernels run in Triton's interpreter on a CPU
         env.setdefault("TRITON_INTERPRET", "1")
@@ -105,6 +132,8 @@ def run_arm(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--ac", default="full", help=f"activation-checkpointing modes to run: {', '.join(AC_MODES)}")
+    parser.add_argument("--num-blocks", type=int, default=None, help="[mhar] num_blocks (default 8; 2 with --smoke)")
     parser.add_argument("--steps", type=int, default=14, help="with --warmup 4: ten timed steps, one EMA update")
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the figures (compile, caches)")
     parser.add_argument("--nproc", type=int, default=1)
@@ -116,16 +145,39 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         parser.error(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
+    modes = args.ac.split(",")
+    if [m for m in modes if m not in AC_MODES]:
+        parser.error(f"--ac {args.ac}: choose from {', '.join(AC_MODES)}")
     if args.profile and args.smoke:
         parser.error("--profile needs a GPU (torchtitan 0.2.2's profiler asks for CUDA activity)")
     if args.warmup >= args.steps - (2 if args.profile else 0):
         parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
     out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    results = {arm: run_arm(arm, out, args.nproc, args.steps, args.warmup, args.smoke, args.profile) for arm in arms}
+    results = {}
+    for mode in modes:
+        where = out / mode if len(modes) > 1 else out
+        where.mkdir(parents=True, exist_ok=True)
+        results[mode] = {
+            arm: run_arm(
+                arm, where, args.nproc, args.steps, args.warmup, args.smoke, args.profile, mode, args.num_blocks
+            )
+            for arm in arms
+        }
+        print_table(results[mode], arms, f"{mode} AC, steps {args.warmup + 1}..{args.steps}")
+        if args.profile:
+            traces = {arm: sorted((where / arm).glob("profile_traces/*/rank0_trace.json")) for arm in arms}
+            missing = [arm for arm, found in traces.items() if not found]
+            if missing:
+                raise RuntimeError(f"no profiler trace written for {missing} under {where}")
+            print(f"\nprofiled step {args.steps} (GPU kernel time; the step span includes idle gaps)")
+            print_side_by_side({arm: summarise(found[-1]) for arm, found in traces.items()})
+    if len(modes) > 1:
+        print_modes(results)
 
+
+def print_table(results: dict[str, dict[str, float]], arms: list[str], title: str) -> None:
     base = "control" if "control" in results else arms[0]
-    print(f"\nsteps {args.warmup + 1}..{args.steps} (tokens over time, peak memory); ratios to {base} (and to stock)")
+    print(f"\n{title} (tokens over time, peak memory); ratios to {base} (and to stock)")
     head = ("arm", "tokens/s/dev", "MFU %", "peak GiB", "tps ratio", "mem ratio", "vs stock")
     print(f"{head[0]:<14}" + "".join(f"{h:>12}" for h in head[1:]))
     for arm, r in results.items():
@@ -135,13 +187,24 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['tokens_per_s'] / results[base]['tokens_per_s']:>12.3f}"
             f"{r['peak_active_gib'] / results[base]['peak_active_gib']:>12.3f}{vs_stock:>12}"
         )
-    if args.profile:
-        traces = {arm: sorted((out / arm).glob("profile_traces/*/rank0_trace.json")) for arm in arms}
-        missing = [arm for arm, found in traces.items() if not found]
-        if missing:
-            raise RuntimeError(f"no profiler trace written for {missing} under {out}")
-        print(f"\nprofiled step {args.steps} (GPU kernel time; the step span includes idle gaps)")
-        print_side_by_side({arm: summarise(found[-1]) for arm, found in traces.items()})
+
+
+def print_modes(results: dict[str, dict[str, dict[str, float]]]) -> None:
+    """One line per AC mode: every arm's tokens/s against the control and the control's against stock."""
+    print("\nby AC mode: tokens/s ratios (peak memory ratios) to the control; the control to stock")
+    for mode, arms in results.items():
+        control = arms.get("control")
+        cells = []
+        for arm, r in arms.items():
+            if control and arm != "control":
+                tps, mem = (
+                    r["tokens_per_s"] / control["tokens_per_s"],
+                    r["peak_active_gib"] / control["peak_active_gib"],
+                )
+                cells.append(f"{arm} {tps:.3f} ({mem:.3f})")
+        if control and "stock" in arms:
+            cells.append(f"control/stock {control['tokens_per_s'] / arms['stock']['tokens_per_s']:.3f}")
+        print(f"{mode:<10} " + ", ".join(cells))
 
 
 if __name__ == "__main__":

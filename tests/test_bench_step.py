@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks.bench_step import ARMS, aggregate, arm_command
+from benchmarks.bench_step import AC_MODES, ARMS, aggregate, arm_command
 
 
 def test_arms_share_everything_but_the_trainer_and_mhar(tmp_path):
@@ -23,11 +23,30 @@ def test_arms_share_everything_but_the_trainer_and_mhar(tmp_path):
     shared = {k: v for k, v in control.items() if not k.startswith("--mhar.") and k != "--job.dump_folder"}
     assert {k: v for k, v in stock.items() if k != "--job.dump_folder"} == shared
     assert control["--model.flavor"] == ("marin8b_16l",) and control["--training.seq_len"] == ("4096",)
-    assert "--compile.enable" in control and control["--mhar.num_blocks"] == ("4",)
+    # 8 blocks over 16 layers: sites see 2 to 9 sources, as the marin8b configs' 8 blocks over 32 layers
+    assert "--compile.enable" in control and control["--mhar.num_blocks"] == ("8",)
+    assert control["--activation_checkpoint.mode"] == ("full",)
     assert "--mhar.enable" not in control
     assert cmds["mhar_triton"][cmds["mhar_triton"].index("--mhar.backend") + 1] == "triton"
     assert cmds["mhar_compile"][cmds["mhar_compile"].index("--mhar.backend") + 1] == "torch"
     assert cmds["stock"][cmds["stock"].index("-m", 3) + 1] == "benchmarks.stock_titan"
+
+
+def test_ac_modes_reach_every_arm_and_nothing_else_changes(tmp_path):
+    def mode_args(cmd):
+        return [a for i, a in enumerate(cmd) if a.startswith("--activation_checkpoint") or (
+            i and cmd[i - 1].startswith("--activation_checkpoint"))]  # fmt: skip
+
+    for arm in ARMS:
+        full = arm_command(arm, tmp_path, nproc=1, steps=12, smoke=False, ac="full")
+        for mode, want in AC_MODES.items():
+            cmd = arm_command(arm, tmp_path, nproc=1, steps=12, smoke=False, ac=mode)
+            assert mode_args(cmd) == want
+            assert [a for a in cmd if a not in want] == [a for a in full if a not in AC_MODES["full"]]
+    sel = AC_MODES["selective"]
+    assert sel[sel.index("--activation_checkpoint.selective_ac_option") + 1] == "op"
+    blocks = arm_command("mhar_triton", tmp_path, nproc=1, steps=12, smoke=False, num_blocks=4)
+    assert blocks[blocks.index("--mhar.num_blocks") + 1] == "4"
 
 
 def test_throughput_is_tokens_over_time_and_memory_the_peak():

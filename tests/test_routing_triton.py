@@ -8,7 +8,7 @@ from torch.utils.checkpoint import checkpoint
 from torchtitan.config import Optimizer as OptimizerConfig
 
 import kernels.triton.launch as rt
-from kernels.routing import mhar_route_with_weights, routing_source
+from kernels.routing import mhar_route_with_weights, route_torch, routing_source
 from mhar_titan.components.optimizer import build_optimizers
 from mhar_titan.model.args import FLAVORS, MHAR
 from mhar_titan.model.model import MHARTransformer
@@ -287,6 +287,11 @@ def test_shared_source_gradients_in_bf16_differ_by_rounding_only():
 
 
 def test_same_shared_source_twice_in_one_call():
+    """One tensor as two sources of a call: its gradient is the two slots' gradients summed, by autograd
+    (unmarked) or inside the kernel (marked). Both sum the same terms in other orders, so each is held to
+    the file's bound against float64, 1e-5 of the gradient's conditioning scale: both slots' term
+    magnitudes (condition_scales), not the result, which can cancel (a bound relative to max |result|
+    failed on an H200 once in seven runs)."""
     H = 8
     leaves = site(H, 40, 1, 3, torch.float32)
     x, s, *params = leaves
@@ -297,7 +302,14 @@ def test_same_shared_source_twice_in_one_call():
         return torch.autograd.grad(out, [s], grad_out)[0]
 
     a, b = grads([s, s]), grads([routing_source(s, "triton")] * 2)
-    assert ((b - a).abs().max() / a.abs().max()).item() <= 4 * torch.finfo(torch.float32).eps
+    x64, s64, *params64 = [t.detach().double().requires_grad_() for t in leaves]
+    out64 = route_torch(x64, [s64, s64], *params64, num_heads=H, eps=1e-5)[0]
+    truth = torch.autograd.grad(out64, [s64], grad_out.double())[0]
+    scales = condition_scales([x, s, s, *params], 2, H, grad_out)
+    scale = scales["source0"] + scales["source1"]
+    for name, got in (("autograd sum", a), ("in-kernel sum", b)):
+        err = (got.double() - truth).abs().max().item() / scale
+        assert err <= 1e-5, f"{name}: {err:.2e}"
 
 
 def test_inputs_changed_in_place_or_a_second_backward_are_refused():
