@@ -38,8 +38,8 @@ demo: install
 	@echo "Report: $(DEMO_DIR)/compare/report.md"
 	@echo "TensorBoard: $(VENV)/bin/tensorboard --logdir $(DEMO_DIR)"
 
-# GPU only: the 8B-geometry routing microbatch, the fused kernels' custom op (the training step's
-# path, the headline) and eager path vs torch.compile vs eager, and a sweep.
+# GPU only: the 8B-geometry routing microbatch, the fused kernels' eager path (the training step's
+# path, the headline) and custom op vs torch.compile vs eager, with and without grad, and a sweep.
 # Uses .venv when there is one, else the python3 on PATH (GPU machines bring their own torch).
 bench-kernels:
 	$(if $(wildcard $(PY)),$(PY),python3) -m benchmarks.bench_routing

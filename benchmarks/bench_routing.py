@@ -2,22 +2,20 @@
 
 The 8B geometry of docs/design.md section 3.7: B=2, T=4096, d=4096, H=8, 32 layers x 2
 sites in 8 blocks of 4 layers, so the 64 calls route over 1..8 sources (plus
-the null source), 288 source reads in all. Every call is checkpointed on its
-own (torch.utils.checkpoint, non-reentrant; default options but for triton_op's), as under per-call
-activation checkpointing of the model's RoutingSite modules, and called as the
-model calls one: site(x, sources), parameters held by the site, sources in one
-list, marked with `routing_source`. The backward re-runs a call's forward when
-the call saved activations (torch.compile, eager). Rows, each one path of kernels.routing:
-- triton_op (the headline): the custom op `torch.ops.mhar.route_fwd`, the path the
-  per-block-compiled training step takes, its checkpoint keeping the op's outputs as the
-  training step's activation checkpointing does (so the op is not re-run);
-- triton: the eager autograd.Function, what the model runs uncompiled: it saves no
-  activation, so it is not re-run, and sums marked sources' gradients in place;
-- compile, eager: the torch reference, compiled and not.
-Prints fwd ms, fwd+bwd ms, peak memory, speedups, and the forward's achieved bandwidth
-against a device-to-device copy measured in the same run; for reference, the triton loop
-without the checkpoint wrapper (whose host cost can bound the loop); then a sweep over N
-and d for a single call (custom op path).
+the null source), 288 source reads in all. Every call is made as the model's RoutingSite
+makes it: site(sources) -> gate * R (the block adds its stream input inside its compiled
+body), parameters held by the site, sources in one list, marked with `routing_source`,
+outside any activation checkpoint (the model's AC wraps the blocks' bodies, not the routing).
+Rows, each one path of kernels.routing:
+- triton (the headline): the eager autograd.Function, the path the training step takes
+  (compiled or not): it keeps references to its inputs only, sums marked sources' gradients
+  in place and serves up to 4 calls over the same sources with one mix pass;
+- triton_op: the custom op `torch.ops.mhar.route_fwd` (for graphs that compile the routing);
+- compile, eager: the torch reference, compiled and not, each call checkpointed on its own as
+  the model does for that backend under activation checkpointing (it saves its intermediates).
+Prints the forward's ms without grad (validation, evaluation) and with grad (training), fwd+bwd
+ms, peak memory, speedups, and the forward's achieved bandwidth against a device-to-device copy
+measured in the same run; then a sweep over N and d for a single call (custom op path).
 
     python -m benchmarks.bench_routing            (make bench-kernels)
 """
@@ -34,7 +32,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 from triton.testing import do_bench
 
 from kernels import MAX_TRITON_SOURCES, route_torch, routing_source
@@ -78,63 +76,44 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
 
 # What each row measures: the routing path, by kernels.routing's backend name.
 ARMS = {
-    "triton_op": "custom op torch.ops.mhar.route_fwd (the compiled training step's path)",
-    "triton": "eager autograd.Function (the uncompiled model's path)",
-    "compile": "torch reference under torch.compile",
-    "eager": "torch reference, eager",
+    "triton": "eager autograd.Function (the training step's path)",
+    "triton_op": "custom op torch.ops.mhar.route_fwd",
+    "compile": "torch reference under torch.compile, per-call checkpoint",
+    "eager": "torch reference, eager, per-call checkpoint",
 }
 # The backend name each arm marks its sources for (routing_source)
 SOURCE_BACKEND = {"triton_op": "triton_op", "triton": "triton", "compile": "torch", "eager": "torch"}
+# Arms whose op saves nothing but references to its inputs: the model runs them unwrapped
+UNWRAPPED = ("triton", "triton_op")
 
 
 def route_fns(num_heads: int, eps: float, tables: LaunchTables | None = None) -> dict[str, Callable]:
-    """One site function per arm, site(x, null, query, norm_weight, gate, *sources) -> out; `tables`:
-    the eager triton path's launch shapes (the custom op always takes the default ones)."""
+    """One site function per arm, site(null, query, norm_weight, gate, *sources) -> gate * R;
+    `tables`: the eager triton path's launch shapes (the custom op always takes the default ones)."""
     # torch.compile: one graph per source count, with and without grad: let it keep them all.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
-    def op_fn(x, null, q, g, gate, *srcs):
-        return route_op(x, srcs, null, q, g, gate, num_heads=num_heads, eps=eps)[0]
+    def op_fn(null, q, g, gate, *srcs):
+        return route_op(None, srcs, null, q, g, gate, num_heads=num_heads, eps=eps)[0]
 
-    def triton_fn(x, null, q, g, gate, *srcs):
-        return route_eager(x, srcs, null, q, g, gate, num_heads=num_heads, eps=eps, tables=tables)[0]
+    def triton_fn(null, q, g, gate, *srcs):
+        return route_eager(None, srcs, null, q, g, gate, num_heads=num_heads, eps=eps, tables=tables)[0]
 
-    def torch_fn(x, null, q, g, gate, *srcs):
-        return route_torch(x, srcs, null, q, g, gate, num_heads=num_heads, eps=eps)[0]
+    def torch_fn(null, q, g, gate, *srcs):
+        return route_torch(None, srcs, null, q, g, gate, num_heads=num_heads, eps=eps)[0]
 
     return {
-        "triton_op": op_fn,
         "triton": triton_fn,
+        "triton_op": op_fn,
         "compile": torch.compile(torch_fn, dynamic=False),
         "eager": torch_fn,
     }
 
 
-def _keep_routing_outputs(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """The training step's checkpoint policy (mhar_titan's parallelize.keep_routing_outputs):
-    save the custom op's outputs, recompute the rest."""
-    if func == torch.ops.mhar.route_fwd.default:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _checkpoint(backend: str) -> Callable:
-    """Per-call activation checkpointing, non-reentrant: for the custom op as the training step
-    applies it, keeping the op's outputs; for the other arms with default options (full AC)."""
-    if backend == "triton_op":
-        context_fn = functools.partial(create_selective_checkpoint_contexts, _keep_routing_outputs)
-        return functools.partial(checkpoint, use_reentrant=False, context_fn=context_fn)
-    return functools.partial(checkpoint, use_reentrant=False)
-
-
-def _site(fn: Callable, params: list[torch.Tensor], x: torch.Tensor, sources: list[torch.Tensor]) -> torch.Tensor:
-    """One routing site, called as the model calls a RoutingSite module, site(x, sources):
-    its parameters are bound, the sources one list."""
-    return fn(x, *params, *sources)
-
-
-def _call(fn: Callable, *args) -> torch.Tensor:
-    return fn(*args)
+def _site(fn: Callable, params: list[torch.Tensor], sources: list[torch.Tensor]) -> torch.Tensor:
+    """One routing site, called as the model calls a RoutingSite module, site(sources): its
+    parameters are bound, the sources one list."""
+    return fn(*params, *sources)
 
 
 class Microbatch:
@@ -146,35 +125,37 @@ class Microbatch:
         per_block = num_layers // num_blocks
         dev = {"device": device, "dtype": dtype}
         self.sources = [torch.randn(B, T, d, **dev).requires_grad_() for _ in range(num_blocks)]
-        self.calls = []  # (x, n_sources, params)
+        self.calls = []  # (n_sources, params)
         for layer in range(num_layers):
             block = layer // per_block
-            for _site in range(2):
-                x = torch.randn(B, T, d, **dev).requires_grad_()
+            for _site_index in range(2):
                 params = [
                     (0.5 * torch.randn(d, **dev)).requires_grad_(),
                     torch.randn(d, **dev).requires_grad_(),
                     (1 + 0.1 * torch.randn(d, **dev)).requires_grad_(),
                     (0.1 * torch.randn(1, **dev)).requires_grad_(),
                 ]
-                self.calls.append((x, 1 + block, params))
+                self.calls.append((1 + block, params))
         self.grad_out = torch.randn(B, T, d, **dev)
-        self.bytes_fwd = sum((n + 2) * x.numel() * x.element_size() for x, n, _ in self.calls)
+        unit = self.grad_out.numel() * self.grad_out.element_size()
+        self.bytes_fwd = sum((n + 1) * unit for n, _ in self.calls)  # sources read, output written
 
-    def forward(self, fn: Callable) -> None:
-        with torch.no_grad():
-            for x, n, params in self.calls:
-                fn(x, *params, *self.sources[:n])
+    def forward(self, fn: Callable, grad: bool = False) -> None:
+        """Every call's forward; with `grad`, as in training (the graph is built, then dropped)."""
+        with torch.set_grad_enabled(grad):
+            outs = [fn(*params, *self.sources[:n]) for n, params in self.calls]
+        del outs
 
     def leaves(self) -> list[torch.Tensor]:
-        return [*self.sources] + [p for x, _, ps in self.calls for p in (x, *ps)]
+        return [*self.sources] + [p for _, ps in self.calls for p in ps]
 
-    def forward_backward(
-        self, fn: Callable, backend: str, keep_grads: bool = False, per_call_ckpt: bool = True
-    ) -> None:
+    def forward_backward(self, fn: Callable, backend: str, keep_grads: bool = False, wrapped: bool = False) -> None:
+        """Forward and backward of every call; `wrapped`: each call checkpointed on its own."""
         srcs = [routing_source(s, backend) for s in self.sources]
-        wrap = _checkpoint(backend) if per_call_ckpt else _call
-        outs = [wrap(functools.partial(_site, fn, params), x, srcs[:n]) for x, n, params in self.calls]
+        outs = []
+        for n, params in self.calls:
+            site = functools.partial(_site, fn, params)
+            outs.append(checkpoint(site, srcs[:n], use_reentrant=False) if wrapped else site(srcs[:n]))
         torch.autograd.backward(outs, [self.grad_out] * len(outs))
         if not keep_grads:
             for t in self.leaves():
@@ -184,39 +165,36 @@ class Microbatch:
 def bench_microbatch(args, bw: float) -> list[dict]:
     mb = Microbatch(args.batch, args.seq, args.dim, args.layers, args.blocks)
     rows = []
-    fns = route_fns(args.heads, 1e-5)
+    fns = {name: fn for name, fn in route_fns(args.heads, 1e-5).items() if name in args.arms.split(",")}
     for name, fn in fns.items():
         reps = 3 if name == "eager" else args.reps
         fwd = timed(lambda fn=fn: mb.forward(fn), reps)
+        fwd_grad = timed(lambda fn=fn: mb.forward(fn, grad=True), reps)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        backend = SOURCE_BACKEND[name]
-        fwd_bwd = timed(lambda fn=fn, backend=backend: mb.forward_backward(fn, backend), reps)
+        backend, wrapped = SOURCE_BACKEND[name], name not in UNWRAPPED
+        fwd_bwd = timed(lambda fn=fn, b=backend, w=wrapped: mb.forward_backward(fn, b, wrapped=w), reps)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        rows.append({"backend": name, "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "peak_gib": peak})
-    # The triton op keeps no activation for a checkpoint to drop, so the wrapper changes nothing it
-    # computes; it costs host time, which can bound the loop. Timed without it for reference.
-    bare = timed(lambda: mb.forward_backward(fns["triton"], "triton", per_call_ckpt=False), args.reps)
+        rows.append({"backend": name, "fwd_ms": fwd, "fwd_grad_ms": fwd_grad, "fwd_bwd_ms": fwd_bwd, "peak_gib": peak})
     ref = {r["backend"]: r for r in rows}
     for r in rows:
-        r["speedup_vs_compile"] = ref["compile"]["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+        r["speedup_vs_compile"] = ref["compile"]["fwd_bwd_ms"] / r["fwd_bwd_ms"] if "compile" in ref else float("nan")
         r["fwd_bw_frac"] = mb.bytes_fwd / (r["fwd_ms"] * 1e-3) / bw
     print(f"\n8B microbatch: B={args.batch} T={args.seq} d={args.dim} H={args.heads}, {len(mb.calls)} calls, ")
     print(f"forward moves at least {mb.bytes_fwd / 1e9:.1f} GB; copy bandwidth {bw / 1e12:.2f} TB/s")
-    print("headline: triton_op, the path the compiled training step takes")
-    print("| backend | path | fwd ms | fwd+bwd ms (per-call ckpt) | peak GiB | fwd+bwd vs compile | fwd bw / copy bw |")
-    print("|---|---|---|---|---|---|---|")
+    print("headline: triton, the path the training step takes")
+    print(
+        "| backend | path | fwd ms, no grad | fwd ms, grad | no grad / grad | fwd+bwd ms | peak GiB "
+        "| fwd+bwd vs compile | fwd bw / copy bw |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['backend']} | {ARMS[r['backend']]} | {r['fwd_ms']:.1f} | {r['fwd_bwd_ms']:.1f} | "
-            f"{r['peak_gib']:.2f} | {r['speedup_vs_compile']:.2f}x | {r['fwd_bw_frac']:.0%} |"
+            f"| {r['backend']} | {ARMS[r['backend']]} | {r['fwd_ms']:.1f} | {r['fwd_grad_ms']:.1f} | "
+            f"{r['fwd_ms'] / r['fwd_grad_ms']:.2f} | {r['fwd_bwd_ms']:.1f} | {r['peak_gib']:.2f} | "
+            f"{r['speedup_vs_compile']:.2f}x | {r['fwd_bw_frac']:.0%} |"
         )
-    compile_ms = ref["compile"]["fwd_bwd_ms"]
-    print(
-        f"triton ({ARMS['triton']}) fwd+bwd without the per-call checkpoint wrapper "
-        f"(reference, not the target's setup): {bare:.1f} ms, {compile_ms / bare:.2f}x compile"
-    )
     return rows
 
 
@@ -233,22 +211,23 @@ def bench_sweep(args, bw: float) -> None:
 
 def sweep_case(fns: dict[str, Callable], args, bw: float, d: int, n: int) -> None:
     dev = {"device": "cuda", "dtype": DTYPE}
-    x = torch.randn(args.batch, args.seq, d, **dev).requires_grad_()
-    srcs = [torch.randn_like(x).requires_grad_() for _ in range(n - 1)]
+    srcs = [torch.randn(args.batch, args.seq, d, **dev).requires_grad_() for _ in range(n - 1)]
     params = [torch.randn(d, **dev).requires_grad_() for _ in range(3)] + [torch.randn(1, **dev).requires_grad_()]
-    dout = torch.randn_like(x)
+    dout = torch.randn_like(srcs[0])
 
     def fwd(fn):
         with torch.no_grad():
-            fn(x, *params, *srcs)
+            fn(*params, *srcs)
 
     def fwd_bwd(name):
-        _checkpoint(name)(functools.partial(_site, fns[name], params), x, srcs).backward(dout)
+        site = functools.partial(_site, fns[name], params)
+        out = site(srcs) if name in UNWRAPPED else checkpoint(site, srcs, use_reentrant=False)
+        out.backward(dout)
 
     t_fwd = timed(lambda: fwd(fns["triton_op"]), args.reps * 4)
     t_tri = timed(lambda: fwd_bwd("triton_op"), args.reps * 4)
     t_cmp = timed(lambda: fwd_bwd("compile"), args.reps * 4)
-    frac = (n + 1) * x.numel() * x.element_size() / (t_fwd * 1e-3) / bw
+    frac = n * dout.numel() * dout.element_size() / (t_fwd * 1e-3) / bw
     print(f"| {n} | {d} | {t_fwd:.3f} | {frac:.0%} | {t_tri:.3f} | {t_cmp:.3f} | {t_cmp / t_tri:.2f}x |")
 
 
@@ -269,9 +248,10 @@ def tune(args, bw: float) -> None:
     print("| kernel | sources | launch | ms | bytes / ms vs copy bw |")
     print("|---|---|---|---|---|")
 
-    def fwd(srcs: list[torch.Tensor], tables: LaunchTables, label: str) -> None:
-        ms = do_bench(lambda: forward(x, srcs, z, q, g, gate, args.heads, 1e-5, tables), warmup=10, rep=50)
-        print(f"| fwd | {len(srcs)} | {label} | {ms:.3f} | {(len(srcs) + 2) * unit / (ms * 1e-3) / bw:.0%} |")
+    def fwd(srcs: list[torch.Tensor], tables: LaunchTables, label: str, rstds=()) -> None:
+        # as the model calls it: gate * R, without x; `rstds`: the sources' norms, given or not
+        ms = do_bench(lambda: forward(None, srcs, z, q, g, gate, args.heads, 1e-5, tables, rstds), warmup=10, rep=50)
+        print(f"| fwd | {len(srcs)} | {label} | {ms:.3f} | {(len(srcs) + 1) * unit / (ms * 1e-3) / bw:.0%} |")
 
     def bwd(srcs: list[torch.Tensor], tables: LaunchTables, label: str) -> None:
         ms = do_bench(lambda: backward(dout, srcs, z, q, g, gate, args.heads, 1e-5, tables), warmup=10, rep=50)
@@ -280,17 +260,29 @@ def tune(args, bw: float) -> None:
 
     for n in range(1, MAX_TRITON_SOURCES + 1) if "fwd" in kernels else ():
         srcs = [torch.randn_like(x) for _ in range(n)]
-        for rows, warps, maxnreg in [
-            (1, 4, None),
-            (1, 8, None),
-            (2, 4, None),
-            (2, 8, None),
-            (2, 8, 80),
-            (2, 16, None),
-            (4, 8, None),
-        ]:
-            tables = DEFAULT_TABLES.replace(fwd={n: {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg}})
-            fwd(srcs, tables, f"rows {rows}, {warps} warps, registers <= {maxnreg or 'any'}")
+        rstds = [source_rstd(s, 1e-5) for s in srcs]  # as for sources marked with routing_source
+        for given in (False, True):
+            for rows, warps, maxnreg in [
+                (1, 4, None),
+                (1, 8, None),
+                (2, 4, None),
+                (2, 8, None),
+                (2, 8, 80),
+                (2, 16, None),
+                (4, 8, None),
+            ]:
+                shape = {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg, "given_rstd": given}
+                tables = DEFAULT_TABLES.replace(fwd={n: shape})
+                how = "given" if given else "computed"
+                label = f"rows {rows}, {warps} warps, registers <= {maxnreg or 'any'}, rstd {how}"
+                fwd(srcs, tables, label, rstds)
+    for n in range(1, MAX_TRITON_SOURCES + 1) if "fwd_rstd" in kernels else ():
+        # the default shapes only, norms given or computed
+        srcs = [torch.randn_like(x) for _ in range(n)]
+        rstds = [source_rstd(s, 1e-5) for s in srcs]
+        for given in (False, True):
+            tables = DEFAULT_TABLES.replace(fwd={n: {"given_rstd": given}})
+            fwd(srcs, tables, f"default shape, rstd {'given' if given else 'computed'}", rstds)
     for n in (2, 8) if "bwd" in kernels else ():
         srcs = [torch.randn_like(x) for _ in range(n)]
         for rows, warps, maxnreg in itertools.product((16, 32, 64), (8, 16), (None, 128)):
@@ -322,7 +314,7 @@ def tune(args, bw: float) -> None:
         mb = Microbatch(args.batch, args.seq, d, args.layers, args.blocks)
         for calls in (1, 2, 4):
             fn = route_fns(args.heads, 1e-5, DEFAULT_TABLES.replace(mix={"calls": calls}))["triton"]
-            ms = do_bench(lambda fn=fn: mb.forward_backward(fn, "triton", per_call_ckpt=False), warmup=3, rep=200)
+            ms = do_bench(lambda fn=fn: mb.forward_backward(fn, "triton"), warmup=3, rep=200)
             print(f"| microbatch fwd+bwd, no wrapper | 1-8 | mix pass per {calls} calls | {ms:.2f} | |")
     if "finish" in kernels:
         finish(x, z, q, g, gate, args.heads)
@@ -369,20 +361,21 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"microbatch rows to run, of {', '.join(ARMS)}")
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--sweep-only", action="store_true")
     parser.add_argument(
         "--profile",
         nargs="?",
-        const="triton_op",
+        const="triton",
         choices=("triton_op", "triton"),
-        help="profile this arm's microbatch instead (default triton_op, the training step's path)",
+        help="profile this arm's microbatch instead (default triton, the training step's path)",
     )
     parser.add_argument(
         "--tune",
         nargs="?",
         const="fwd,bwd,stats,group,finish",
-        help="time launch shapes of these kernels (fwd,bwd,stats,group,finish) instead",
+        help="time launch shapes of these kernels (fwd,fwd_rstd,bwd,stats,group,finish) instead",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():

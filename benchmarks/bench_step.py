@@ -3,7 +3,7 @@
 - stock: torchtitan 0.2.2's own llama3 Trainer, loss and optimizer (mhar_titan/stock_titan.py);
 - control: train_cpt.py with MHAR off (z-loss, EMA, grouped AdamW, our metrics);
 - mhar_triton: MHAR with the fused Triton routing kernels;
-- mhar_compile: MHAR with the plain routing compiled by torch.compile inside each block.
+- mhar_compile: MHAR with the plain routing (torch backend) compiled and checkpointed per site.
 
 Each arm is its own torchrun job (FSDP2 on `--nproc` ranks) on the same data, reading back
 tokens/s per device, MFU (torchtitan's formula: 6 x parameters + attention flops per token over
@@ -43,18 +43,23 @@ ARMS = {
     "mhar_triton": [str(REPO / "train_cpt.py"), "--mhar.enable", "--mhar.backend", "triton"],
     "mhar_compile": [str(REPO / "train_cpt.py"), "--mhar.enable", "--mhar.backend", "torch"],
 }
-# (ours, stock) TensorBoard tags
+# (ours, stock) TensorBoard tags; None: not logged by that arm
 TAGS = {
     "tokens_per_s": ("tokens_per_s", "throughput(tps)", "rate"),
     "mfu": ("mfu", "mfu(%)", "rate"),
     "peak_active_gib": ("memory/peak_active_gib", "memory/max_active(GiB)", "peak"),
+    "after_forward_gib": ("memory/after_forward_gib", None, "peak"),
+    "after_backward_gib": ("memory/after_backward_gib", None, "peak"),
+    "after_optimizer_gib": ("memory/after_optimizer_gib", None, "peak"),
 }
+FLAVOR = "marin8b_16l"
 GPU = [
-    "--model.flavor", "marin8b_16l", "--training.seq_len", "4096", "--training.local_batch_size", "2",
+    "--training.seq_len", "4096", "--training.local_batch_size", "2",
     "--training.mixed_precision_param", "bfloat16", "--optimizer.implementation", "fused",
     "--compile.enable", "--compile.components", "model,loss",
     "--ema.beta", "0.999", "--ema.every", "10",  # as in configs/marin8b_*.toml
 ]  # fmt: skip
+SMOKE_TAGS = ("tokens_per_s", "mfu", "peak_active_gib")  # on a CPU there are no phase memory figures
 SMOKE = ["--model.flavor", "tiny", "--training.seq_len", "128", "--training.local_batch_size", "2"]
 NUM_BLOCKS = {False: 8, True: 2}  # keyed by smoke: the tiny flavor has 4 layers
 AC_MODES = {
@@ -73,6 +78,7 @@ def arm_command(
     profile: bool = False,
     ac: str = "full",
     num_blocks: int | None = None,
+    flavor: str = FLAVOR,
 ) -> list[str]:
     common = [
         "--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--job.dump_folder", str(run),
@@ -80,7 +86,7 @@ def arm_command(
         "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.total_steps", str(steps), "--metrics.log_freq", "1",
         "--checkpoint.no-enable", "--validation.no-enable", *AC_MODES[ac],
     ]  # fmt: skip
-    geometry = SMOKE if smoke else GPU
+    geometry = SMOKE if smoke else ["--model.flavor", flavor, *GPU]
     if arm != "stock":  # torchtitan's own model knows no [mhar]
         blocks = NUM_BLOCKS[smoke] if num_blocks is None else num_blocks
         geometry = [*geometry, "--mhar.num_blocks", str(blocks)]
@@ -112,10 +118,11 @@ def run_arm(
     profile: bool = False,
     ac: str = "full",
     num_blocks: int | None = None,
+    flavor: str = FLAVOR,
 ) -> dict[str, float]:
     run = out / arm
     shutil.rmtree(run, ignore_errors=True)
-    cmd = arm_command(arm, run, nproc, steps, smoke, profile, ac, num_blocks)
+    cmd = arm_command(arm, run, nproc, steps, smoke, profile, ac, num_blocks, flavor)
     print(f"[{ac}/{arm}] {' '.join(cmd)}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if smoke:  # the Triton kernels run in Triton's interpreter on a CPU
@@ -126,7 +133,11 @@ def run_arm(
         raise RuntimeError(f"[{arm}] exited {proc.returncode}; log in {out / f'{arm}.log'}:\n{proc.stderr[-3000:]}")
     which = 1 if arm == "stock" else 0
     last = steps - 2 if profile else None
-    return {name: aggregate(read_scalars(run, tags[which]), warmup, tags[2], last) for name, tags in TAGS.items()}
+    return {
+        name: aggregate(read_scalars(run, tags[which]), warmup, tags[2], last)
+        for name, tags in TAGS.items()
+        if tags[which] is not None and (not smoke or name in SMOKE_TAGS)
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--ac", default="full", help=f"activation-checkpointing modes to run: {', '.join(AC_MODES)}")
     parser.add_argument("--num-blocks", type=int, default=None, help="[mhar] num_blocks (default 8; 2 with --smoke)")
+    parser.add_argument("--flavor", default=FLAVOR, help=f"model flavor on a GPU (default {FLAVOR}; marin8b_8l)")
     parser.add_argument("--steps", type=int, default=14, help="with --warmup 4: ten timed steps, one EMA update")
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the figures (compile, caches)")
     parser.add_argument("--nproc", type=int, default=1)
@@ -159,8 +171,17 @@ def main(argv: list[str] | None = None) -> None:
         where.mkdir(parents=True, exist_ok=True)
         results[mode] = {
             arm: run_arm(
-                arm, where, args.nproc, args.steps, args.warmup, args.smoke, args.profile, mode, args.num_blocks
-            )
+                arm,
+                where,
+                args.nproc,
+                args.steps,
+                args.warmup,
+                args.smoke,
+                args.profile,
+                mode,
+                args.num_blocks,
+                args.flavor,
+            )  # fmt: skip
             for arm in arms
         }
         print_table(results[mode], arms, f"{mode} AC, steps {args.warmup + 1}..{args.steps}")
@@ -187,6 +208,15 @@ def print_table(results: dict[str, dict[str, float]], arms: list[str], title: st
             f"{r['tokens_per_s'] / results[base]['tokens_per_s']:>12.3f}"
             f"{r['peak_active_gib'] / results[base]['peak_active_gib']:>12.3f}{vs_stock:>12}"
         )
+    phases = [arm for arm, r in results.items() if "after_forward_gib" in r]
+    if phases:
+        print("memory allocated (GiB, largest over the timed steps): after forward, backward, optimizer")
+        for arm in phases:
+            r = results[arm]
+            print(
+                f"{arm:<14}{r['after_forward_gib']:>12.2f}{r['after_backward_gib']:>12.2f}"
+                f"{r['after_optimizer_gib']:>12.2f}"
+            )
 
 
 def print_modes(results: dict[str, dict[str, dict[str, float]]]) -> None:

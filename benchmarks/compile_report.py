@@ -82,10 +82,12 @@ def main() -> None:
         ("stats", route_bwd_stats_kernel, DEFAULT_TABLES.stats[n]),
     ]
     for name, fn, launch in kernels:
-        # stats as the eager path launches it: marked sources, their rstd given where the table says
-        known = None if name == "fwd" else (1 << n) - 1 if launch["given_rstd"] else 0
+        # as the model's eager path launches them: marked sources, their rstd given where the table says;
+        # the forward without x (the model adds it in its compiled block)
+        known = (1 << n) - 1 if launch["given_rstd"] else 0
+        has_x = False if name == "fwd" else None
         for warps_per_4096 in sorted({4, 8, 16, launch["warps_per_4096"]}):
-            _, warps, consts = row_launch(m, d, h, n, itemsize, launch["rows"], warps_per_4096, True, known)
+            _, warps, consts = row_launch(m, d, h, n, itemsize, launch["rows"], warps_per_4096, True, known, has_x)
             # the forward's register cap applies to its own launch shape only
             cap = launch.get("maxnreg") if warps_per_4096 == launch["warps_per_4096"] else None
             use = ptxas_usage(compile_sm90(fn, types, consts, warps, cap).asm["ptx"])

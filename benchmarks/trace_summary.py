@@ -17,7 +17,7 @@ from pathlib import Path
 
 # first match wins; names are CUDA kernel names as the profiler records them
 KINDS = [
-    ("routing", re.compile(r"_route_")),
+    ("routing", re.compile(r"(^|_)route_(fwd|bwd)|source_rstd")),
     ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|cublas", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|cudnn", re.I)),
     ("nccl", re.compile(r"nccl", re.I)),
@@ -39,7 +39,7 @@ def summarise(trace_path: str | Path) -> dict[str, object]:
     events = json.loads(Path(trace_path).read_text())["traceEvents"]
     by_kind: Counter[str] = Counter()
     by_name: Counter[str] = Counter()
-    first, last = float("inf"), 0.0
+    intervals = []
     for e in events:
         if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
@@ -47,9 +47,29 @@ def summarise(trace_path: str | Path) -> dict[str, object]:
         kind = kind_of(e["name"]) if e["cat"] == "kernel" else "copies/memset"
         by_kind[kind] += ms
         by_name[e["name"][:80]] += ms
-        first, last = min(first, e["ts"]), max(last, e["ts"] + e.get("dur", 0.0))
-    span = (last - first) / 1e3 if last else 0.0
-    return {"gpu_ms": sum(by_kind.values()), "span_ms": span, "by_kind": dict(by_kind), "top": by_name.most_common(12)}
+        intervals.append((e["ts"], e["ts"] + e.get("dur", 0.0)))
+    span = (max(b for _, b in intervals) - min(a for a, _ in intervals)) / 1e3 if intervals else 0.0
+    return {
+        "gpu_ms": sum(by_kind.values()),
+        "span_ms": span,
+        "idle": idle_gaps(intervals),
+        "by_kind": dict(by_kind),
+        "top": by_name.most_common(12),
+    }
+
+
+def idle_gaps(intervals: list[tuple[float, float]], at_least_ms: float = 0.1) -> dict[str, float]:
+    """Time in the span when no kernel or copy ran (any stream): in all, and in gaps of at least
+    `at_least_ms` (a host that did not keep the GPU fed: syncs, Python between steps), in ms."""
+    total = long = 0.0
+    end = None
+    for a, b in sorted(intervals):
+        if end is not None and a > end:
+            gap = (a - end) / 1e3
+            total += gap
+            long += gap if gap >= at_least_ms else 0.0
+        end = b if end is None else max(end, b)
+    return {"idle": total, f"idle in gaps >= {at_least_ms} ms": long}
 
 
 def print_side_by_side(summaries: dict[str, dict[str, object]]) -> None:
@@ -59,11 +79,14 @@ def print_side_by_side(summaries: dict[str, dict[str, object]]) -> None:
     )
     print("| GPU ms per profiled step | " + " | ".join(arms) + (" | difference |" if len(arms) == 2 else " |"))
     print("|---|" + "---|" * (len(arms) + (len(arms) == 2)))
-    for kind in [*kinds, "all kernels", "step span"]:
+    idle = list(next(iter(summaries.values()))["idle"])
+    for kind in [*kinds, "all kernels", "step span", *idle]:
         if kind == "all kernels":
             vals = [s["gpu_ms"] for s in summaries.values()]
         elif kind == "step span":
             vals = [s["span_ms"] for s in summaries.values()]
+        elif kind in idle:
+            vals = [s["idle"][kind] for s in summaries.values()]
         else:
             vals = [s["by_kind"].get(kind, 0.0) for s in summaries.values()]
         diff = f" | {vals[1] - vals[0]:+.1f}" if len(vals) == 2 else ""

@@ -40,21 +40,22 @@ __all__ = [
 ]
 
 
-def _check(x: torch.Tensor, sources: Sequence[torch.Tensor], query: torch.Tensor, num_heads: int) -> None:
-    d = x.shape[-1]
-    if num_heads <= 0 or d % num_heads:
-        raise ValueError(f"num_heads={num_heads} must be positive and divide the width {d}")
+def _check(x: torch.Tensor | None, sources: Sequence[torch.Tensor], query: torch.Tensor, num_heads: int) -> None:
     if len(sources) == 0:
         raise ValueError("mhar_route needs at least one source besides the null source")
+    ref, what = (sources[0], "sources[0]") if x is None else (x, "x")
+    d = ref.shape[-1]
+    if num_heads <= 0 or d % num_heads:
+        raise ValueError(f"num_heads={num_heads} must be positive and divide the width {d}")
     for i, s in enumerate(sources):
-        if s.shape != x.shape:
-            raise ValueError(f"sources[{i}] has shape {tuple(s.shape)}, x has {tuple(x.shape)}")
+        if s.shape != ref.shape:
+            raise ValueError(f"sources[{i}] has shape {tuple(s.shape)}, {what} has {tuple(ref.shape)}")
     if query.shape != (d,):
         raise ValueError(f"query has shape {tuple(query.shape)}, expected ({d},)")
 
 
 def route_torch(
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     sources: Sequence[torch.Tensor],
     null: torch.Tensor,
     query: torch.Tensor,
@@ -64,24 +65,29 @@ def route_torch(
     num_heads: int,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference routing: returns (x + gate * R, routing weights [N, *x.shape[:-1], H]).
+    """Reference routing: returns (x + gate * R, or gate * R when x is None; routing weights
+    [N, *shape[:-1], H]).
 
-    Statistics and accumulation run in fp32 (fp64 for fp64 inputs); the output
-    has x's dtype. The stacked copy of the sources is fine for a reference.
+    Statistics and accumulation run in fp32 (fp64 for fp64 inputs); the output has x's dtype,
+    or without x the site parameters' (the compute dtype: bf16 under FSDP's mixed precision,
+    whatever the sources'). The stacked copy of the sources is fine for a reference.
     """
     _check(x, sources, query, num_heads)
-    acc = torch.promote_types(x.dtype, torch.float32)
-    d = x.shape[-1]
+    ref = sources[0] if x is None else x
+    acc = torch.promote_types(torch.promote_types(ref.dtype, query.dtype), torch.float32)
+    d = ref.shape[-1]
     head_dim = d // num_heads
-    s = torch.stack([null.to(acc).expand_as(x)] + [t.to(acc) for t in sources])  # [N, ..., d]
+    s = torch.stack([null.to(acc).expand_as(ref)] + [t.to(acc) for t in sources])  # [N, ..., d]
     rstd = torch.rsqrt(s.square().mean(dim=-1, keepdim=True) + eps)
     k = s * rstd * norm_weight.to(acc)
     heads = (*s.shape[:-1], num_heads, head_dim)
     logits = (k.view(heads) * query.to(acc).view(num_heads, head_dim)).sum(dim=-1)  # [N, ..., H]
     weights = torch.softmax(logits, dim=0)
-    mixed = (weights.unsqueeze(-1) * s.view(heads)).sum(dim=0).reshape(x.shape)
-    out = x.to(acc) + gate.to(acc).reshape(()) * mixed
-    return out.to(x.dtype), weights
+    mixed = (weights.unsqueeze(-1) * s.view(heads)).sum(dim=0).reshape(ref.shape)
+    out = gate.to(acc).reshape(()) * mixed
+    if x is None:
+        return out.to(query.dtype), weights
+    return (x.to(acc) + out).to(x.dtype), weights
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -107,7 +113,7 @@ def routing_source(source: torch.Tensor, backend: str = "auto") -> torch.Tensor:
 
 
 def mhar_route_with_weights(
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     sources: Sequence[torch.Tensor],
     null: torch.Tensor,
     query: torch.Tensor,
@@ -120,7 +126,7 @@ def mhar_route_with_weights(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`mhar_route` that also returns the routing weights [N, B, T, H] (fp32) for statistics."""
     _check(x, sources, query, num_heads)
-    backend = resolve_backend(backend, x.device)
+    backend = resolve_backend(backend, sources[0].device)
     if backend == "triton":
         return route_eager(x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps)
     if backend == "triton_op":
@@ -129,7 +135,7 @@ def mhar_route_with_weights(
 
 
 def mhar_route(
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     sources: Sequence[torch.Tensor],
     null: torch.Tensor,
     query: torch.Tensor,
@@ -142,8 +148,9 @@ def mhar_route(
 ) -> torch.Tensor:
     """x + gate * R(sources) for one routing site.
 
-    x: [B, T, d] the site's stream input; sources: [B, T, d] tensors (embedding,
-    then completed block deltas), in order; null, query, norm_weight: [d];
+    x: [B, T, d] the site's stream input, or None for gate * R alone, in the parameters' dtype
+    (the model adds x inside its compiled block, where the add costs nothing); sources: [B, T, d] tensors
+    (embedding, then completed block deltas), in order; null, query, norm_weight: [d];
     gate: one element (0-dim, or [1] as FSDP2 stores it, since it cannot shard
     0-dim parameters).
     """

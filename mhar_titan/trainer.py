@@ -26,8 +26,8 @@ from mhar_titan.components import fingerprint
 from mhar_titan.components.checkpoint import CPTCheckpointManager, complete_steps
 from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch
-from mhar_titan.components.routing_stats import gather_routing_stats
-from mhar_titan.components.step_metrics import StepClock, flush, throughput
+from mhar_titan.components.routing_stats import average_routing_stats, name_routing_stats
+from mhar_titan.components.step_metrics import MemoryPhases, StepClock, StepReadback, flush, throughput
 from mhar_titan.config import parse_config
 from mhar_titan.train_spec import train_spec
 
@@ -52,8 +52,12 @@ class CPTTrainer(Trainer):
         self.skipped_steps = 0
         self.tokens_seen = 0  # all ranks' tokens
         self.clock = StepClock()
+        self.memory_phases = MemoryPhases(self.device)
+        self.readback = StepReadback(self.device)
+        self.model_parts[0].register_forward_hook(self._after_forward)
         self.preemption = PreemptionWatch(job_config.job.dump_folder)
         self.stop_reason: str | None = None
+        self._asked: str | None = None
         if torch.distributed.get_rank() == 0:
             self.preemption.clear_stale_marker()
         # Every rank counts the tokens of all ranks: each takes local_batch_size x seq_len per microbatch.
@@ -202,6 +206,7 @@ class CPTTrainer(Trainer):
         local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches).to(self.device)
         dp = self.parallel_dims.dp_enabled
         global_tokens = dist_utils.dist_sum(local_tokens, self._batch_mesh()) if dp else local_tokens.float()
+        self._collect_routing_stats(self._routing_stats_due())
         losses = []
         for input_dict, labels in microbatches:
             input_dict = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()}
@@ -209,6 +214,8 @@ class CPTTrainer(Trainer):
                 input_dict=input_dict, labels=labels.to(self.device), global_valid_tokens=global_tokens
             )
             losses.append(loss.detach())
+        self._collect_routing_stats(False)
+        self.memory_phases.mark("backward")
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],
             self.job_config.training.max_norm,
@@ -217,33 +224,82 @@ class CPTTrainer(Trainer):
             ep_enabled=self.parallel_dims.ep_enabled,
         )
         loss = torch.stack(losses).sum()  # this rank's share of the global mean
-        finite, self.stop_reason = self._agree(loss, grad_norm)
-        if finite:
+        flags = self._agree(loss, grad_norm, loss * global_tokens / local_tokens)
+        logged, n_loss = self._logged_values(loss, self.loss_fn.take_parts())
+        self.readback.stage(torch.cat([flags.double(), grad_norm.detach().double().reshape(1), logged]))
+        if self.skip_on_device:
+            # The optimizer skips a bad step itself (fused AdamW's found_inf, as under a GradScaler),
+            # so it is issued before the host knows the verdict, and the host's reading of the
+            # step's values overlaps the update on the GPU.
+            for opt in self.optimizers.optimizers:
+                opt.found_inf = flags[0]
             self.checkpointer.maybe_wait_for_staging()
             self.optimizers.step()
+        bad_any, stop_any, loss_max, norm, *values = self.readback.read()
+        self.stop_reason = (self._asked or "another rank was asked to stop") if stop_any else None
+        if not bad_any:
+            if not self.skip_on_device:
+                self.checkpointer.maybe_wait_for_staging()
+                self.optimizers.step()
             if self.ema is not None:
                 self.ema.update(self.step)
             self.bad_steps_in_a_row = 0
         else:
             self.optimizers.zero_grad()
-            self._report_bad_step(loss, grad_norm, batch_from)
+            self._report_bad_step(loss, norm, batch_from)
+        self.memory_phases.mark("optimizer")
         self.lr_schedulers.step()  # the schedule follows the step count, applied or not
-        self._log_step(loss, grad_norm, local_tokens, global_tokens)
-        self._log_routing_stats()
+        self._log_step(norm, loss_max, values[:n_loss], values[n_loss:])
+
+    @property
+    def skip_on_device(self) -> bool:
+        """Every optimizer can skip a step on the device (torch's fused Adam and AdamW honour
+        `found_inf`); the foreach and for-loop implementations need the host's decision first."""
+        return all(getattr(opt, "_step_supports_amp_scaling", False) for opt in self.optimizers.optimizers)
+
+    def _after_forward(self, *_) -> None:
+        if torch.is_grad_enabled():  # a training forward, not validation
+            self.memory_phases.mark("forward")
 
     def _batch_mesh(self):
         return self.parallel_dims.get_mesh("batch")
 
-    def _agree(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[bool, str | None]:
-        """One MAX all-reduce a step: is every rank's loss and the gradient norm finite, and was any
-        rank asked to stop (a signal, or the STOP file, which rank 0 alone looks for)."""
-        asked = self.preemption.local_request(check_file=torch.distributed.get_rank() == 0)
+    def _agree(self, loss: torch.Tensor, grad_norm: torch.Tensor, own_mean: torch.Tensor) -> torch.Tensor:
+        """[any rank's loss or the gradient norm non-finite, any rank asked to stop (a signal, or the
+        STOP file, which rank 0 alone looks for), the largest rank's own mean loss], on the device,
+        by one MAX all-reduce a step."""
+        self._asked = self.preemption.local_request(check_file=torch.distributed.get_rank() == 0)
         bad = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
-        flags = torch.stack([bad.float(), loss.new_tensor(float(asked is not None))])
+        flags = torch.stack([bad.float(), loss.new_tensor(float(self._asked is not None)), own_mean.float()])
         if torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        bad_any, stop_any = flags.tolist()
-        return not bad_any, (asked or "another rank was asked to stop") if stop_any else None
+        return flags
+
+    def _logged_values(self, loss: torch.Tensor, parts: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """On log steps, the loss and its parts summed over the data-parallel ranks ([loss, ce, z-term,
+        tokens], or [loss]); on routing-statistics steps, then the statistics averaged over them; on
+        the device, with the number of loss values."""
+        values = [loss.new_zeros(0, dtype=torch.float64)]  # nothing, on steps that log nothing
+        mesh = self._batch_mesh() if self.parallel_dims.dp_enabled else None
+        if self.metrics_processor.should_log(self.step):
+            sums = loss.double().reshape(1) if parts is None else torch.cat([loss.double().reshape(1), parts.double()])
+            if mesh is not None:
+                torch.distributed.all_reduce(sums, group=mesh.get_group())
+            values.append(sums)
+        n_loss = values[-1].numel()
+        stats = self.model_parts[0].routing_stats if self._routing_stats_due() else None
+        if stats is not None:
+            values.append(average_routing_stats(stats, mesh).double().flatten())
+        return torch.cat(values), n_loss
+
+    def _routing_stats_due(self) -> bool:
+        mhar = self.job_config.mhar
+        return mhar.enable and mhar.stats_freq > 0 and self.step % mhar.stats_freq == 0
+
+    def _collect_routing_stats(self, on: bool) -> None:
+        """Ask the model for its routing statistics on this step's forwards (log steps only)."""
+        if self.job_config.mhar.enable:
+            self.model_parts[0].collect_routing_stats = on
 
     def _report_bad_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, batch_from: int) -> None:
         self.bad_steps_in_a_row += 1
@@ -264,30 +320,24 @@ class CPTTrainer(Trainer):
 
     # -- metrics ------------------------------------------------------------------------------
 
-    def _log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, local_tokens, global_tokens) -> None:
-        """TensorBoard scalars and one readable line, at every log step; the loss parts reset every step."""
-        parts = self.loss_fn.take_parts()
+    def _log_step(self, grad_norm: float, loss_max: float, loss_values: list[float], stats: list[float]) -> None:
+        """TensorBoard scalars and one readable line, at every log step, from the step's values read
+        back from the device (`_logged_values`); the routing statistics on their steps."""
         self.clock.tick(self.step)
+        if loss_values:
+            self._write_metrics(loss_values[0], loss_max, grad_norm, loss_values[1:])
+        if stats:
+            values = torch.tensor(stats).reshape(self.model_args.n_layers, 2, -1)
+            self.metrics_processor.logger.log(name_routing_stats(values), self.step)
+
+    def _write_metrics(self, loss_v: float, loss_max: float, grad_norm: float, part_sums: list[float]) -> None:
         mp = self.metrics_processor
-        if not mp.should_log(self.step):
-            return
         metrics = {f"data/{k}": v for k, v in gather_counters(self.dataloader).items()}
-        loss_max = loss * global_tokens / local_tokens  # this rank's own mean
-        sums = loss.double().reshape(1)
-        if parts is not None:
-            sums = torch.cat([sums, parts.double()])
-        loss_max = loss_max.double()
-        if self.parallel_dims.dp_enabled:
-            group = self._batch_mesh().get_group()
-            torch.distributed.all_reduce(sums, group=group)
-            torch.distributed.all_reduce(loss_max, op=torch.distributed.ReduceOp.MAX, group=group)
-        loss_v, *part_sums = sums.tolist()
-        loss_max_v = loss_max.item()
         metrics.update(
             {
                 "train/loss": loss_v,
-                "train/loss_max": loss_max_v,
-                "grad_norm": float(grad_norm),
+                "train/loss_max": loss_max,
+                "grad_norm": grad_norm,
                 "tokens_seen": self.tokens_seen,
                 "train/skipped_steps": self.skipped_steps,
             }
@@ -298,12 +348,13 @@ class CPTTrainer(Trainer):
         groups = self.optimizers.optimizers[0].param_groups
         metrics.update({f"lr/{g['name']}": g["lr"] for g in groups})
         metrics.update(throughput(mp))
+        metrics.update(self.memory_phases.take())
         mp.logger.log(metrics, self.step)
         flush(mp)
         logger.info(
             f"step {self.step}/{self.job_config.training.steps}  loss {loss_v:.4f}"
-            + (f" (ce {metrics['train/ce']:.4f})" if parts is not None else "")
-            + f"  lr {groups[0]['lr']:.2e}  grad_norm {float(grad_norm):.3f}  {metrics['tokens_per_s']:,.0f} tok/s/dev"
+            + (f" (ce {metrics['train/ce']:.4f})" if part_sums else "")
+            + f"  lr {groups[0]['lr']:.2e}  grad_norm {grad_norm:.3f}  {metrics['tokens_per_s']:,.0f} tok/s/dev"
             f"  mfu {metrics['mfu']:.1f}%  mem {metrics['memory/peak_reserved_gib']:.1f} GiB  eta {self.clock.eta()}"
         )
 
@@ -335,16 +386,6 @@ class CPTTrainer(Trainer):
         with open(path + ".tmp", "w") as f:
             json.dump(record, f)
         os.replace(path + ".tmp", path)
-
-    def _log_routing_stats(self) -> None:
-        mhar = self.job_config.mhar
-        if not mhar.enable or mhar.stats_freq == 0 or self.step % mhar.stats_freq:
-            return
-        model = self.model_parts[0]
-        if model.routing_stats is None:
-            return
-        mesh = self.parallel_dims.get_optional_mesh("batch") if self.parallel_dims.dp_enabled else None
-        self.metrics_processor.logger.log(gather_routing_stats(model.routing_stats, mesh), self.step)
 
     # -- checkpointed trainer state -------------------------------------------------------------
 

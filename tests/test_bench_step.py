@@ -68,8 +68,8 @@ def test_trace_summary_sums_gpu_time_by_kernel_kind(tmp_path):
     from benchmarks.trace_summary import summarise
 
     events = [
-        {"ph": "X", "cat": "kernel", "name": "_route_fwd_kernel", "ts": 0, "dur": 1500},
-        {"ph": "X", "cat": "kernel", "name": "_route_bwd_mix_kernel", "ts": 2000, "dur": 500},
+        {"ph": "X", "cat": "kernel", "name": "route_fwd_kernel", "ts": 0, "dur": 1500},
+        {"ph": "X", "cat": "kernel", "name": "route_bwd_mix_kernel", "ts": 2000, "dur": 500},
         {"ph": "X", "cat": "kernel", "name": "nvjet_hsh_256x128_gemm", "ts": 3000, "dur": 4000},
         {"ph": "X", "cat": "kernel", "name": "triton_per_fused_add_0", "ts": 7000, "dur": 250},
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 7500, "dur": 500},
@@ -80,3 +80,5 @@ def test_trace_summary_sums_gpu_time_by_kernel_kind(tmp_path):
     s = summarise(path)
     assert s["by_kind"] == {"routing": 2.0, "matmul": 4.0, "compiled (triton)": 0.25, "copies/memset": 0.5}
     assert s["gpu_ms"] == 6.75 and s["span_ms"] == 8.0
+    # idle: 1.5-2.0 and 2.5-3.0 ms (two gaps of 0.5 ms), 7.25-7.5 (0.25 ms)
+    assert s["idle"] == {"idle": 1.25, "idle in gaps >= 0.1 ms": 1.25}

@@ -1,16 +1,19 @@
-"""Per-block torch.compile of the MHAR model: a bounded number of graphs, the numbers of eager."""
+"""Per-block torch.compile of the MHAR model: the blocks' bodies compile to one graph whatever
+the source count, nothing breaks the graphs, and the numbers are eager's."""
 
 import copy
 
 import pytest
 import torch
+from conftest import REPO
 from torch._dynamo.utils import counters
-from torchtitan.config.job_config import Compile
-from torchtitan.models.llama3.infra.parallelize import apply_compile
 
+from mhar_titan.config import parse_config
 from mhar_titan.model.args import FLAVORS, MHAR
 from mhar_titan.model.model import MHARTransformer
-from mhar_titan.model.parallelize import allow_routing_graphs
+from mhar_titan.model.parallelize import wrap_blocks
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -20,31 +23,31 @@ def test_per_block_compile_makes_a_bounded_number_of_graphs_and_matches_eager(ba
     args.max_seq_len = 32
     args.mhar = MHAR(enable=True, num_blocks=num_blocks, backend=backend)
     torch.manual_seed(0)
-    eager = MHARTransformer(args)
+    with torch.device(DEVICE):
+        eager = MHARTransformer(args)
     with torch.no_grad():
         eager.init_weights()
         for name, p in eager.named_parameters():
             if "_routing." in name:
                 p.copy_(torch.randn_like(p) * (0.1 if name.endswith(".gate") else 1.0))
     compiled = copy.deepcopy(eager)
+    tiny = str(REPO / "configs" / "tiny_cpu.toml")
+    config = parse_config(["--job.config_file", tiny, "--compile.enable", "--activation_checkpoint.mode", "full"])
 
     torch._dynamo.reset()
     counters.clear()
-    tokens = torch.randint(0, args.vocab_size, (2, 32))
-    with torch._dynamo.config.patch(recompile_limit=1):  # allow_routing_graphs must raise it
-        allow_routing_graphs(num_blocks)
-        apply_compile(compiled, Compile(enable=True, backend="inductor"))
-        for _ in range(2):  # the second pass must reuse the graphs
-            out = compiled(tokens)
-            out.float().pow(2).mean().backward()
-        # One graph per source count, no graph breaks, plus one for layer 0 where its input is
-        # sources[0] itself (Dynamo guards on the duplicate input). With triton and grad,
-        # sources[0] is routing_source's alias of the embedding (kernels/routing.py) instead.
-        graphs = num_blocks + (backend == "torch")
-        assert counters["stats"]["unique_graphs"] == graphs
-        with torch.no_grad():  # validation: the same graphs again without grad, none left to eager
-            evaluated = compiled(tokens)
-        assert counters["stats"]["unique_graphs"] == graphs + num_blocks + 1
+    tokens = torch.randint(0, args.vocab_size, (2, 32), device=DEVICE)
+    wrap_blocks(compiled, config, compile_model=True)
+    for _ in range(2):  # the second pass must reuse the graphs
+        out = compiled(tokens)
+        out.float().pow(2).mean().backward()
+    # One graph for every block's body (the routing runs outside it, so the number of sources does
+    # not reach it), one for the block-delta sum; the torch backend's sites one per source count.
+    graphs = 2 + (num_blocks if backend == "torch" else 0)
+    assert counters["stats"]["unique_graphs"] == graphs
+    with torch.no_grad():  # validation: the same graphs again without grad, none left to eager
+        evaluated = compiled(tokens)
+    assert counters["stats"]["unique_graphs"] == 2 * graphs
     assert not counters["graph_break"]
     torch.testing.assert_close(evaluated, out, rtol=0, atol=0)
 
@@ -53,3 +56,7 @@ def test_per_block_compile_makes_a_bounded_number_of_graphs_and_matches_eager(ba
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
         torch.testing.assert_close(q.grad / 2, p.grad, rtol=1e-3, atol=1e-6, msg=name)
+    # wrapping changed no parameter name
+    assert [n for n, _ in eager.named_parameters()] == [
+        n.replace("._checkpoint_wrapped_module", "") for n, _ in compiled.named_parameters()
+    ]

@@ -97,27 +97,32 @@ def test_each_site_routes_over_designs_source_list(monkeypatch, num_blocks):
             if "_routing." in name:
                 p.copy_(torch.randn_like(p) * (0.1 if name.endswith(".gate") else 1.0))
 
-    calls, outputs = [], []
+    calls, inputs, outputs = [], [], []
     real = model_mod.mhar_route_with_weights
-    monkeypatch.setattr(
-        model_mod,
-        "mhar_route_with_weights",
-        lambda x, sources, *a, **k: calls.append((x, list(sources))) or real(x, sources, *a, **k),
-    )
+
+    def spy(x, sources, *a, **k):
+        routed, weights = real(x, sources, *a, **k)
+        calls.append((x, list(sources), routed.detach().double()))
+        return routed, weights
+
+    monkeypatch.setattr(model_mod, "mhar_route_with_weights", spy)
     for layer in model.layers.values():
-        for sub in (layer.attention, layer.feed_forward):
+        for norm, sub in ((layer.attention_norm, layer.attention), (layer.ffn_norm, layer.feed_forward)):
+            norm.register_forward_pre_hook(lambda mod, args: inputs.append(args[0].detach().double()))
             sub.register_forward_hook(lambda mod, args, out: outputs.append(out.detach().double()))
 
     tokens, _ = batch()
     model(tokens)
     emb = model.tok_embeddings(tokens)
     n_layers, per_block = model.n_layers, model.n_layers // num_blocks
-    assert len(calls) == len(outputs) == 2 * n_layers
+    assert len(calls) == len(inputs) == len(outputs) == 2 * n_layers
     h = emb.double()
     for i in range(2 * n_layers):
         block = i // 2 // per_block
-        x, sources = calls[i]
-        torch.testing.assert_close(x.double(), h, rtol=1e-6, atol=1e-6)  # h_{l-1}, then h'_l
+        x, sources, routed = calls[i]
+        assert x is None  # the site routes the sources alone; the block adds its stream input
+        # u_l = h_{l-1} + gate R, then v_l = h'_l + gate R
+        torch.testing.assert_close(inputs[i], h + routed, rtol=1e-6, atol=1e-6)
         assert len(sources) == 1 + block  # [h_0, D_0, ..., D_{b-1}]; the null source is the op's source 0
         assert torch.equal(sources[0], emb)
         for k in range(block):
@@ -186,6 +191,9 @@ def test_routing_stats_at_init_are_uniform_routing():
     num_blocks = 4
     model = build(tiny_args(enable=True, num_blocks=num_blocks))
     tokens, _ = batch()
+    model(tokens)
+    assert model.routing_stats is None  # computed only when asked for (the trainer asks on log steps)
+    model.collect_routing_stats = True
     model(tokens)
     stats = model.routing_stats
     assert stats.shape == (4, 2, 5)

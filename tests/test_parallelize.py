@@ -1,41 +1,63 @@
-"""MHAR's activation checkpointing keeps the fused routing op's outputs instead of re-running it."""
+"""MHAR's activation checkpointing and compile wrap the blocks' bodies: the routing runs once per
+step in every AC mode, and every number is that of the unwrapped model."""
 
-import functools
+import copy
 
+import pytest
 import torch
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from conftest import REPO
 
-import kernels.triton.host as rt
-from mhar_titan.model.parallelize import keep_routing_outputs
+import kernels.triton.launch as rt
+from mhar_titan.config import parse_config
+from mhar_titan.model.args import FLAVORS, MHAR
+from mhar_titan.model.model import MHARTransformer
+from mhar_titan.model.parallelize import wrap_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+AC = {
+    "none": ["--activation_checkpoint.mode", "none"],
+    "full": ["--activation_checkpoint.mode", "full"],
+    "op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    "layer": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+}
 
 
-def test_full_ac_keeps_routing_outputs_and_changes_no_number(monkeypatch):
-    calls = []
-    forward = rt.forward
-    monkeypatch.setattr(rt, "forward", lambda *a: calls.append(1) or forward(*a))
-    B, T, d, H = 2, 5, 24, 8
-    x, emb, delta = (torch.randn(B, T, d, device=DEVICE, requires_grad=True) for _ in range(3))
-    params = [torch.randn(n, device=DEVICE, requires_grad=True) for n in (d, d, d, 1)]
-    leaves = [x, emb, delta, *params]
-    grad_out = torch.randn(B, T, d, device=DEVICE)
+@pytest.fixture(scope="module")
+def tiny_mhar():
+    args = copy.deepcopy(FLAVORS["tiny"])
+    args.max_seq_len = 16
+    args.mhar = MHAR(enable=True, num_blocks=2, backend="triton")
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = MHARTransformer(args)
+    with torch.no_grad():
+        model.init_weights()
+        for name, p in model.named_parameters():
+            if "_routing." in name:
+                p.copy_(torch.randn_like(p) * (0.1 if name.endswith(".gate") else 1.0))
+    tokens = torch.randint(0, args.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    return model, tokens
 
-    def block(x, emb, delta, *params):  # the routing op inside a checkpointed region, then more work
-        out, weights = torch.ops.mhar.route_fwd(x, [emb, delta], *params, H, 1e-5)
-        return (out.tanh() * 2).sum(-1, keepdim=True) * out + weights.sum()
 
-    results = {}
-    for name, context_fn in [
-        ("full", None),
-        ("keep routing", functools.partial(create_selective_checkpoint_contexts, keep_routing_outputs)),
-    ]:
-        calls.clear()
-        kwargs = {"context_fn": context_fn} if context_fn else {}
-        out = checkpoint(block, *leaves, use_reentrant=False, **kwargs)
-        grads = torch.autograd.grad(out, leaves, grad_out)
-        results[name] = (len(calls), [out, *grads])
-    assert results["full"][0] == 2  # forward, then the recompute in backward
-    assert results["keep routing"][0] == 1  # forward only
-    for a, b in zip(results["full"][1], results["keep routing"][1], strict=True):
+def run(model, tokens):
+    out = model(tokens)
+    out.float().pow(2).mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return [out.detach(), *grads]
+
+
+@pytest.mark.parametrize("mode", list(AC))
+def test_routing_runs_once_per_step_under_every_ac_mode_with_the_same_numbers(tiny_mhar, mode, monkeypatch):
+    base, tokens = tiny_mhar
+    plain = run(copy.deepcopy(base), tokens)
+    model = copy.deepcopy(base)
+    config = parse_config(["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), *AC[mode]])
+    wrap_blocks(model, config, compile_model=False)
+    launches = []
+    forward = rt.fwd_launcher
+    monkeypatch.setattr(rt, "fwd_launcher", lambda *a, **k: (launches.append(1), forward(*a, **k)))
+    wrapped = run(model, tokens)
+    assert len(launches) == 2 * base.n_layers  # each site once: never recomputed, in any mode
+    for a, b in zip(plain, wrapped, strict=True):
         assert torch.equal(a, b)

@@ -1,5 +1,6 @@
 """The recipe under 2-rank FSDP2 on CPU: EMA against the parameter history, skipped non-finite steps."""
 
+import pytest
 import torch
 from conftest import torchrun
 
@@ -14,13 +15,17 @@ def weights(run, step, ema=False):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_ema_follows_the_parameter_history_and_a_nan_step_is_skipped(tmp_path):
+@pytest.mark.parametrize("implementation", ["foreach", "fused"])
+def test_ema_follows_the_parameter_history_and_a_nan_step_is_skipped(tmp_path, implementation):
+    """foreach: the host reads the verdict before the update; fused: the optimizer skips the step on
+    the device (found_inf) and the host reads the verdict after issuing it."""
     run, beta = tmp_path / "run", 0.7
     # Step 0 on disk: the weights the 2-rank job loads and starts its EMA from.
     torchrun(run, "--checkpoint.create_seed_checkpoint", "--parallelism.data_parallel_shard_degree", "1", nproc=1)
     proc = torchrun(
         run, "--training.steps", "6", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0",
-        "--ema.beta", str(beta), *FAST, script="tests/nan_trainer.py", env={"NAN_STEPS": "3"},
+        "--ema.beta", str(beta), "--optimizer.implementation", implementation, *FAST,
+        script="tests/nan_trainer.py", env={"NAN_STEPS": "3"},
     )  # fmt: skip
     log = proc.stdout + proc.stderr
     assert "step 3: non-finite loss or gradient" in log and "rank 1: loss share nan" in log

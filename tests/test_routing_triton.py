@@ -234,11 +234,14 @@ def test_shared_source_gradients_are_summed_in_place_in_fp32(group, poisoned, mo
                 assert torch.equal(b, c), name
 
 
+@pytest.mark.parametrize("fwd_given", [False, True])
 @pytest.mark.parametrize("H,d,S,T", SHAPES[::3])
-def test_marked_sources_match_torch_backend_in_fp32(H, d, S, T, poisoned):
+def test_marked_sources_match_torch_backend_in_fp32(H, d, S, T, fwd_given, poisoned, monkeypatch):
     """Marked sources (routing_source) take the other path through the kernels: their norms
-    computed once beforehand, their gradients summed in place with the norm term applied at
-    the end. The same bound as unmarked ones against the torch backend."""
+    computed once beforehand (read by the stats kernel, and by the forward where its table says
+    so), their gradients summed in place with the norm term applied at the end. The same bound
+    as unmarked ones against the torch backend."""
+    monkeypatch.setitem(rt.FWD[S], "given_rstd", fwd_given)
     leaves = site(H, d, S, T, torch.float32)
     grad_out = torch.randn_like(leaves[0])
     ref = run("torch", leaves, S, H, grad_out)
@@ -334,9 +337,30 @@ def test_inputs_changed_in_place_or_a_second_backward_are_refused():
 def test_routing_source_is_the_tensor_itself_where_nothing_is_shared():
     t = torch.randn(2, 3, 8, requires_grad=True)
     assert routing_source(t, "torch") is t
-    with torch.no_grad():
-        assert routing_source(t, "triton") is t
+    frozen = t.detach()
+    assert routing_source(frozen, "triton") is frozen  # grad on, nothing to sum: unmarked
+    with torch.no_grad():  # a view carrying the norm only, the same data
+        marked = routing_source(t, "triton")
+        assert marked is not t and marked.data_ptr() == t.data_ptr()
     assert routing_source(t, "triton") is not t
+
+
+def test_without_grad_the_forward_computes_exactly_what_it_computes_with_grad():
+    """Validation and evaluation run the forward without grad: with the marked sources' norms read
+    as in training, the outputs are the training forward's bit for bit."""
+    H = 8
+    x, *rest = site(H, 40, 3, 5, torch.float32)
+    sources, params = rest[:3], rest[3:]
+
+    def forward():
+        marked = [routing_source(s, "triton") for s in sources]
+        return mhar_route_with_weights(None, marked, *params, num_heads=H, eps=1e-5, backend="triton")
+
+    with_grad = forward()
+    with torch.no_grad():
+        without = forward()
+    for a, b in zip(with_grad, without, strict=True):
+        assert torch.equal(a.detach(), b)
 
 
 def test_tiny_model_trains_alike_on_both_backends():
@@ -364,3 +388,121 @@ def test_tiny_model_trains_alike_on_both_backends():
         gates = torch.stack([p.detach() for n, p in model.named_parameters() if n.endswith(".gate")])
         assert gates.abs().min() > 0  # the routing trained
     torch.testing.assert_close(losses["triton"], losses["torch"], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_op"])
+@pytest.mark.parametrize("H,d,S,T", SHAPES[::2])
+def test_without_x_the_op_returns_gate_times_r_as_the_torch_backend(H, d, S, T, backend, poisoned):
+    """x = None (how the model calls it: its compiled block adds x): gate * R and the routing
+    weights, and the gradients of everything else, within the file's fp32 bound."""
+    x, *rest = site(H, d, S, T, torch.float32)
+    grad_out = torch.randn_like(x)
+    scales = condition_scales([torch.zeros_like(x), *rest], S, H, grad_out)
+    sources, params = rest[:S], rest[S:]
+    results = {}
+    for name in ("torch", backend):
+        out, weights = mhar_route_with_weights(None, sources, *params, num_heads=H, eps=1e-5, backend=name)
+        results[name] = [out, weights, *torch.autograd.grad(out, rest, grad_out)]
+    for name, r, a in zip(names(S)[:2] + names(S)[3:], results["torch"], results[backend], strict=True):
+        assert not torch.isnan(a).any(), f"{name}: unwritten elements"
+        err = (a.double() - r.double()).abs().max().item() / scale_of(name, r, scales)
+        assert err <= 1e-5, f"{(H, d, S, T)} {name}: {err:.2e}"
+
+
+class _Alias(torch.autograd.Function):
+    """Returns its inputs, as FSDP2's pre-forward hook does for a module's inputs (new tensors)."""
+
+    @staticmethod
+    def forward(tag, *inputs):
+        return inputs
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *grads)
+
+
+def test_aliases_of_marked_sources_share_their_slots(monkeypatch):
+    """A call given aliases of the marked sources (FSDP2 hands a module such aliases) sums their
+    gradients in place as with the marked tensors: the same kernels in the same order, so the
+    same gradients bit for bit and one mix pass per group of calls."""
+    S, H = 3, 8
+    leaves = site(H, 40, S, 3, torch.float32)
+    sources, params = leaves[1 : 1 + S], leaves[1 + S :]
+    grad_out = torch.randn_like(leaves[0])
+    mixes = []
+    mix = rt.mix_launcher
+    monkeypatch.setattr(rt, "mix_launcher", lambda *a, **k: (mixes.append(1), mix(*a, **k)))
+
+    def grads(alias):
+        marked = [routing_source(s, "triton") for s in sources]
+        total = 0
+        for _ in range(2):  # the two sites of a layer, one mix pass for both
+            srcs = list(_Alias.apply("fsdp", *marked)) if alias else marked
+            total = total + mhar_route_with_weights(None, srcs, *params, num_heads=H, eps=1e-5, backend="triton")[0]
+        return torch.autograd.grad(total, sources, grad_out)
+
+    direct = grads(alias=False)
+    launches = len(mixes)
+    through = grads(alias=True)
+    assert launches == len(mixes) - launches == 1
+    for a, b in zip(direct, through, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_call_waiting_for_its_mix_pass_keeps_its_own_parameters(monkeypatch):
+    """The mix pass of the later call waits for the earlier one; by then FSDP2 may have freed the
+    later call's gathered parameters. Overwriting them in between changes no gradient."""
+    monkeypatch.setitem(rt.MIX, "calls", 2)
+    S, H = 2, 8
+    x, *rest = site(H, 40, S, 3, torch.float32)
+    sources = rest[:S]
+    first = [p.detach().clone().requires_grad_() for p in rest[S:]]
+    second = [(p.detach() * 1.5).requires_grad_() for p in rest[S:]]
+
+    def grads(spoil):
+        marked = [routing_source(s, "triton") for s in sources]
+        h = mhar_route_with_weights(x, marked, *first, num_heads=H, eps=1e-5, backend="triton")[0]
+        if spoil:  # after the second call's backward (deferred), before the first's (which runs the pass)
+            h.register_hook(lambda g: [p.data.fill_(float("nan")) for p in second] and None)
+        out = mhar_route_with_weights(h, marked, *second, num_heads=H, eps=1e-5, backend="triton")[0]
+        return torch.autograd.grad(out.sum(), sources)
+
+    clean = grads(spoil=False)
+    for p, q in zip(second, rest[S:], strict=True):
+        p.data.copy_(q.detach() * 1.5)
+    for a, b in zip(clean, grads(spoil=True), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_marked_source_routed_again_after_its_gradient_was_handed_on_is_refused():
+    H = 8
+    x, s, *params = site(H, 40, 1, 3, torch.float32)
+    marked = routing_source(s, "triton")
+    mhar_route_with_weights(x, [marked], *params, num_heads=H, eps=1e-5, backend="triton")[0].sum().backward()
+    out = mhar_route_with_weights(x, [marked], *params, num_heads=H, eps=1e-5, backend="triton")[0]
+    with pytest.raises(RuntimeError, match="after the source's gradient sum was handed on"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton_op"])
+def test_without_x_the_output_has_the_parameters_dtype_whatever_the_sources(backend, poisoned):
+    """Under FSDP's mixed precision the embedding source can be fp32 while the block deltas and the
+    gathered site parameters are bf16: gate * R comes out in the parameters' dtype, rounded once,
+    as close to the float64 truth as the torch backend's."""
+    H, d, T = 8, 40, 5
+    leaves = site(H, d, 3, T, torch.float32)
+    sources = [leaves[1], leaves[2].detach().bfloat16().requires_grad_(), leaves[3]]
+    params = [p.detach().bfloat16().requires_grad_() for p in leaves[4:]]
+    truth = route_torch(None, [s.double() for s in sources], *[p.double() for p in params], num_heads=H, eps=1e-5)[0]
+    ref = route_torch(None, sources, *params, num_heads=H, eps=1e-5)[0]
+    out, _ = mhar_route_with_weights(None, sources, *params, num_heads=H, eps=1e-5, backend=backend)
+    assert out.dtype == ref.dtype == torch.bfloat16 and not torch.isnan(out).any()
+    err_ref = ((ref.double() - truth).norm() / truth.norm()).item()
+    err = ((out.double() - truth).norm() / truth.norm()).item()
+    assert err <= err_ref * 1.01, f"{err:.3e} vs torch {err_ref:.3e}"  # as the bf16 test above
+    grads = torch.autograd.grad(out.float().square().sum(), [*sources, *params])
+    assert [g.dtype for g in grads] == [t.dtype for t in (*sources, *params)]

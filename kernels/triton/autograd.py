@@ -29,7 +29,7 @@ from kernels.triton.launch import DEFAULT_TABLES, LaunchTables
 
 @torch.library.custom_op("mhar::route_fwd", mutates_args=())
 def route_fwd(
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     sources: list[torch.Tensor],
     null: torch.Tensor,
     query: torch.Tensor,
@@ -43,8 +43,10 @@ def route_fwd(
 
 @route_fwd.register_fake
 def _(x, sources, null, query, norm_weight, gate, num_heads, eps):
-    weights = x.new_empty((len(sources) + 1, *x.shape[:-1], num_heads), dtype=torch.float32)
-    return torch.empty_like(x), weights
+    ref = sources[0] if x is None else x
+    weights = ref.new_empty((len(sources) + 1, *ref.shape[:-1], num_heads), dtype=torch.float32)
+    out = torch.empty_like(ref) if x is not None else torch.empty_like(ref, dtype=query.dtype)
+    return out, weights
 
 
 @torch.library.custom_op("mhar::route_bwd", mutates_args=())
@@ -74,21 +76,21 @@ def _(grad_out, sources, null, query, norm_weight, gate, num_heads, eps):
 
 def _setup_context(ctx, inputs, output) -> None:
     x, sources, null, query, norm_weight, gate, num_heads, eps = inputs
-    ctx.num_heads, ctx.eps = num_heads, eps
+    ctx.num_heads, ctx.eps, ctx.has_x = num_heads, eps, x is not None
     ctx.save_for_backward(null, query, norm_weight, gate, *sources)
 
 
 def _op_backward(ctx, grad_out, grad_weights):
     null, query, norm_weight, gate, *sources = ctx.saved_tensors
     dsrcs, dz, dq, dg, dgate = route_bwd(grad_out, sources, null, query, norm_weight, gate, ctx.num_heads, ctx.eps)
-    return grad_out, dsrcs, dz, dq, dg, dgate, None, None
+    return grad_out if ctx.has_x else None, dsrcs, dz, dq, dg, dgate, None, None
 
 
 route_fwd.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def route_op(
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     sources: Sequence[torch.Tensor],
     null: torch.Tensor,
     query: torch.Tensor,
@@ -98,8 +100,8 @@ def route_op(
     num_heads: int,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused routing through the custom op (default launch tables): (x + gate * R, routing
-    weights [N, *x.shape[:-1], H] fp32)."""
+    """Fused routing through the custom op (default launch tables): (x + gate * R, or gate * R
+    when x is None; routing weights [N, *shape[:-1], H] fp32)."""
     return torch.ops.mhar.route_fwd(x, list(sources), null, query, norm_weight, gate, num_heads, eps)
 
 
@@ -128,15 +130,15 @@ class _Route(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, null, query, norm_weight, gate, num_heads, eps, tables, *sources):
         ctx.slots = shared.grad_slots(sources)
-        out, weights = host.forward(x, sources, null, query, norm_weight, gate, num_heads, eps, tables)
-        # a marked source's rstd, for the stats kernel: computed by the first call that reads it
+        # a marked source's rstd, for the row kernels: computed by the first call that reads it
         rstds = []
         for s, slot in zip(sources, ctx.slots, strict=True):
             if slot is not None:
                 slot.tables = tables
             rstds.append(None if slot is None else slot.source_rstd(s, eps))
-        ctx.num_heads, ctx.eps, ctx.rstds, ctx.tables = num_heads, eps, rstds, tables
-        # The backward needs the inputs only. Kept on ctx rather than saved with
+        out, weights = host.forward(x, sources, null, query, norm_weight, gate, num_heads, eps, tables, rstds)
+        ctx.num_heads, ctx.eps, ctx.rstds, ctx.tables, ctx.has_x = num_heads, eps, rstds, tables, x is not None
+        # The backward needs the inputs only (not x). Kept on ctx rather than saved with
         # save_for_backward, so an activation checkpoint around the call has no saved
         # tensor to unpack and never re-runs the forward; the version check that
         # save_for_backward would do is done in backward.
@@ -151,6 +153,7 @@ class _Route(torch.autograd.Function):
         null, query, norm_weight, gate, *sources = _unpack_inputs(ctx)
         if grad_out is None:  # the output did not reach the loss
             return (None,) * (8 + len(sources))
+        shared.check_open(ctx.slots)
         rstds, ctx.rstds = ctx.rstds, None
         tables = ctx.tables
         call, dz, dq, dg, dgate = host.stats(
@@ -162,11 +165,12 @@ class _Route(torch.autograd.Function):
             dsrcs = [None] * len(sources)
         else:
             dsrcs = host.mix([call], sources, ctx.slots, ctx.num_heads, tables)
-        return grad_out, dz, dq, dg, dgate, None, None, None, *dsrcs
+        dx = grad_out if ctx.has_x else None
+        return dx, dz, dq, dg, dgate, None, None, None, *dsrcs
 
 
 def route_eager(
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     sources: Sequence[torch.Tensor],
     null: torch.Tensor,
     query: torch.Tensor,
@@ -177,15 +181,27 @@ def route_eager(
     eps: float,
     tables: LaunchTables | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused routing through the eager autograd.Function: (x + gate * R, routing weights
-    [N, *x.shape[:-1], H] fp32). `tables`: launch shapes, DEFAULT_TABLES unless a benchmark
-    passes its own."""
-    return _Route.apply(x, null, query, norm_weight, gate, num_heads, eps, tables or DEFAULT_TABLES, *sources)
+    """Fused routing through the eager autograd.Function: (x + gate * R, or gate * R when x is
+    None; routing weights [N, *shape[:-1], H] fp32). `tables`: launch shapes, DEFAULT_TABLES
+    unless a benchmark passes its own. With nothing to differentiate (validation, evaluation,
+    inference) the forward kernel is launched directly, with no autograd bookkeeping."""
+    tables = tables or DEFAULT_TABLES
+    if not torch.is_grad_enabled() or not _any_requires_grad(x, null, query, norm_weight, gate, sources):
+        slots = shared.grad_slots(sources)  # marked sources' norms, computed once, as with grad
+        rstds = [None if slot is None else slot.source_rstd(s, eps) for s, slot in zip(sources, slots, strict=True)]
+        return host.forward(x, sources, null, query, norm_weight, gate, num_heads, eps, tables, rstds)
+    return _Route.apply(x, null, query, norm_weight, gate, num_heads, eps, tables, *sources)
+
+
+def _any_requires_grad(x, null, query, norm_weight, gate, sources) -> bool:
+    if (x is not None and x.requires_grad) or null.requires_grad or query.requires_grad:
+        return True
+    return norm_weight.requires_grad or gate.requires_grad or any(s.requires_grad for s in sources)
 
 
 @torch.compiler.substitute_in_graph(route_eager)
 def _route_eager_in_graph(
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     sources: Sequence[torch.Tensor],
     null: torch.Tensor,
     query: torch.Tensor,

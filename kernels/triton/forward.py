@@ -1,14 +1,16 @@
 """Forward kernels of the routing op: the fused routing pass over a row, and a source's 1 / rms per row.
 
 Forward: one pass over the sources per token row, all heads at once; online softmax, the
-full-width RMS norm fused, fp32 statistics, the null source read as one vector. Writes the
-routing weights [N, M, H] (fp32) beside the output.
+full-width RMS norm fused (or a marked source's 1 / rms read, computed once for all its
+calls), fp32 statistics, the null source read as one vector. Writes the routing weights
+[N, M, H] (fp32) beside the output, which is x + gate * R, or gate * R alone without x (the
+model adds x inside its compiled block, where the add is free).
 """
 
 import triton
 import triton.language as tl
 
-from kernels.triton.tiles import head_sums2, load_raw, null_logit, param, row_tile_offsets, store
+from kernels.triton.tiles import head_sum, head_sums2, load_raw, null_logit, param, row_rstd, row_tile_offsets, store
 
 
 @triton.jit
@@ -30,6 +32,7 @@ def source_rstd_kernel(SRC, RSTD, M, eps, D: tl.constexpr, BLOCK_R: tl.constexpr
 def route_fwd_kernel(
     X,
     SRCS,
+    RSTDS,
     NULL,
     Q,
     G,
@@ -49,7 +52,11 @@ def route_fwd_kernel(
     ROWS: tl.constexpr,
     EVEN: tl.constexpr,
     JOINT: tl.constexpr,
+    KNOWN: tl.constexpr,
+    HAS_X: tl.constexpr,
 ):
+    # KNOWN: bit i set if source i's 1 / rms per row is given (RSTDS[i]); HAS_X: add x (X) to the
+    # output, else write gate * R alone (X is not read).
     cols, mask = row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
     # per-source statistics as [heads, sources] tiles, laid out as the heads' sums come
     nn = tl.arange(0, BLOCK_N)[None, :]
@@ -70,23 +77,27 @@ def route_fwd_kernel(
         den = tl.full([BLOCK_H], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
         logits = tl.where(nn == 0, z_logit[:, None], 0.0)
-        # Loads run two sources ahead (then x), so they overlap the reductions of the
-        # previous two: s_a is the tile in use next, s_b the one after it.
+        # Loads run two sources ahead (then x, if added), so they overlap the reductions of
+        # the previous two: s_a is the tile in use next, s_b the one after it.
         s_a = load_raw(SRCS[0] + base + cols, row_mask, EVEN)
         if NUM_SRC > 1:
             s_b = load_raw(SRCS[1] + base + cols, row_mask, EVEN)
-        else:
+        elif HAS_X:
             s_b = load_raw(X + base + cols, row_mask, EVEN)
         for i in tl.static_range(NUM_SRC):
             s = s_a.to(tl.float32)
-            s_a = s_b
+            if i + 1 < NUM_SRC or HAS_X:
+                s_a = s_b
             if i + 2 < NUM_SRC:
                 s_b = load_raw(SRCS[i + 2] + base + cols, row_mask, EVEN)
-            elif i + 2 == NUM_SRC:
+            elif i + 2 == NUM_SRC and HAS_X:
                 s_b = load_raw(X + base + cols, row_mask, EVEN)
             qg = param(Q, cols, mask) * param(G, cols, mask)
-            ss, sq = head_sums2(s * s, s * qg, JOINT)
-            lg = sq * tl.rsqrt(tl.sum(ss) / D + eps)
+            if (KNOWN >> i) & 1:
+                lg = head_sum(s * qg) * row_rstd(RSTDS[i], row, M, EVEN)
+            else:
+                ss, sq = head_sums2(s * s, s * qg, JOINT)
+                lg = sq * tl.rsqrt(tl.sum(ss) / D + eps)
             m_new = tl.maximum(m, lg)
             alpha = tl.exp(m - m_new)
             p = tl.exp(lg - m_new)
@@ -95,7 +106,9 @@ def route_fwd_kernel(
             m = m_new
             logits = tl.where(nn == i + 1, lg[:, None], logits)
         acc += tl.exp(z_logit - m)[:, None, None] * param(NULL, cols, mask)
-        out = s_a.to(tl.float32) + gate * (acc / den[:, None, None])  # s_a holds x by now
-        store(OUT + base + cols, out, row_mask, EVEN)
+        routed = gate * (acc / den[:, None, None])
+        if HAS_X:
+            routed += s_a.to(tl.float32)  # s_a holds x by now
+        store(OUT + base + cols, routed, row_mask, EVEN)
         w = tl.exp(logits - m[:, None]) / den[:, None]
         tl.store(W + nn * (M * H) + row * H + hw, w, mask=w_mask & (row < M))

@@ -15,11 +15,12 @@ from kernels.triton import launch
 from kernels.triton.launch import DEFAULT_TABLES, MAX_SOURCES, LaunchTables, cdiv, cpu_rows, interpreting, pow2
 
 
-def check_inputs(x: torch.Tensor, sources: Sequence[torch.Tensor]) -> None:
-    if not x.is_cuda and not interpreting():
-        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+def check_inputs(ref: torch.Tensor | None, sources: Sequence[torch.Tensor]) -> None:
+    """`ref`: x or the output gradient (None: the sources alone)."""
     if not 1 <= len(sources) <= MAX_SOURCES:
         raise ValueError(f"backend='triton' routes over 1..{MAX_SOURCES} sources, got {len(sources)}")
+    if not (sources[0] if ref is None else ref).is_cuda and not interpreting():
+        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
 
 
 def _known_rstds(rstds: Sequence[torch.Tensor | None], n: int, spare: torch.Tensor) -> tuple[int, tuple]:
@@ -42,7 +43,7 @@ def source_rstd(source: torch.Tensor, eps: float, tables: LaunchTables = DEFAULT
 
 
 def forward(
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     sources: Sequence[torch.Tensor],
     null: torch.Tensor,
     query: torch.Tensor,
@@ -51,24 +52,29 @@ def forward(
     num_heads: int,
     eps: float,
     tables: LaunchTables = DEFAULT_TABLES,
+    rstds: Sequence[torch.Tensor | None] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward kernel: (x + gate * R, routing weights [N, *x.shape[:-1], H] fp32)."""
+    """The forward kernel: (x + gate * R in x's dtype, or gate * R in the parameters' dtype when x
+    is None; routing weights [N, *shape[:-1], H] fp32). `rstds`: per source its 1 / rms per row
+    where known, else None."""
     check_inputs(x, sources)
-    d = x.shape[-1]
-    m = x.numel() // d
-    xs = x.contiguous()
     srcs = tuple(s.contiguous() for s in sources)
-    out = launch.empty_like(xs)
-    weights = launch.empty((len(srcs) + 1, *x.shape[:-1], num_heads), device=x.device, dtype=torch.float32)
+    d = srcs[0].shape[-1]
+    m = srcs[0].numel() // d
+    xs = srcs[0] if x is None else x.contiguous()  # not read without x
+    out = launch.empty_like(xs) if x is not None else launch.empty(xs.shape, device=xs.device, dtype=query.dtype)
+    weights = launch.empty((len(srcs) + 1, *srcs[0].shape[:-1], num_heads), device=xs.device, dtype=torch.float32)
     interp = interpreting()
     shape = tables.fwd[len(srcs)]
     rows = cpu_rows(m) if interp else shape["rows"]
-    itemsize = xs.element_size()
+    known, rstd_ptrs = _known_rstds(rstds if shape["given_rstd"] else (), len(srcs), weights)
     grid, warps, consts = launch.row_launch(
-        m, d, num_heads, len(srcs), itemsize, rows, shape["warps_per_4096"], not interp
+        m, d, num_heads, len(srcs), xs.element_size(), rows, shape["warps_per_4096"], not interp, known, x is not None
     )
     params = (null.contiguous(), query.contiguous(), norm_weight.contiguous(), gate.contiguous())
-    launch.fwd_launcher(grid, warps, consts, xs, srcs, *params, out, weights, m, eps, maxnreg=shape["maxnreg"])
+    launch.fwd_launcher(
+        grid, warps, consts, xs, srcs, rstd_ptrs, *params, out, weights, m, eps, maxnreg=shape["maxnreg"]
+    )
     return out, weights
 
 

@@ -39,17 +39,18 @@ MAX_SOURCES = 8  # the kernels' source pointers: embedding + 7 block deltas (num
 # warps per 4096 columns and a register cap per thread (None: ptxas decides), by the number of
 # caller sources, since registers grow with it. Mix kernel: tile rows, tile columns (within
 # one head) and warps.
+# given_rstd (forward and stats): read a marked source's rstd (computed once, host.source_rstd)
+# instead of computing its full-width norm, the row kernels' one cross-warp sum per source
 FWD = {
-    1: {"rows": 1, "warps_per_4096": 8, "maxnreg": None},
-    2: {"rows": 1, "warps_per_4096": 8, "maxnreg": None},
-    3: {"rows": 2, "warps_per_4096": 8, "maxnreg": 80},
-    4: {"rows": 4, "warps_per_4096": 8, "maxnreg": None},
-    5: {"rows": 2, "warps_per_4096": 8, "maxnreg": 80},
-    6: {"rows": 2, "warps_per_4096": 8, "maxnreg": 80},
-    7: {"rows": 1, "warps_per_4096": 8, "maxnreg": None},
-    8: {"rows": 2, "warps_per_4096": 8, "maxnreg": None},
+    1: {"rows": 1, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True},
+    2: {"rows": 1, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True},
+    3: {"rows": 2, "warps_per_4096": 8, "maxnreg": 80, "given_rstd": True},
+    4: {"rows": 4, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True},
+    5: {"rows": 2, "warps_per_4096": 8, "maxnreg": 80, "given_rstd": True},
+    6: {"rows": 2, "warps_per_4096": 8, "maxnreg": 80, "given_rstd": True},
+    7: {"rows": 1, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True},
+    8: {"rows": 2, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True},
 }
-# given_rstd: read a marked source's rstd (computed once, host.source_rstd) instead of computing it
 STATS = {
     n: {"rows": 32, "warps_per_4096": 8, "maxnreg": 128 if n <= 3 else None, "given_rstd": n not in (5, 6)} for n in FWD
 }
@@ -200,10 +201,12 @@ def row_launch(
     warps_per_4096: int,
     joint: bool = True,
     known: int | None = None,
+    has_x: bool | None = None,
 ) -> tuple:
     """(grid, num_warps, constexprs) of a row kernel over itemsize-byte elements; cached per
     shape, since computing it costs more Python time per call than launching the kernel.
-    `known`, for the stats kernel: bit i set if source i's rstd is given (RSTDS[i])."""
+    `known`: bit i set if source i's rstd is given (RSTDS[i]); `has_x`, for the forward: whether
+    the output adds x."""
     k = d // num_heads
     exact = m % rows == 0 and pow2(num_heads) == num_heads and pow2(k) == k
     consts = {
@@ -218,6 +221,7 @@ def row_launch(
         "EVEN": exact,
         "JOINT": joint,
         **({} if known is None else {"KNOWN": known}),
+        **({} if has_x is None else {"HAS_X": has_x}),
     }
     warps = max(1, min(16, pow2(cdiv(d * warps_per_4096, 4096))))
     return (cdiv(m, rows),), warps, consts

@@ -5,11 +5,19 @@ in place across the eager calls that read it: the mix kernel does not read such 
 norm term, a per-row multiple of the source, is summed per row and applied once, when the sum is
 complete), and one mix pass serves up to the mix table's "calls" consecutive calls over the same
 sources (the sites of a layer), one read and write of each sum for all of them; the source's
-1 / rms per row is computed once, for the stats kernels of all those calls.
+1 / rms per row is computed once, for the row kernels of all those calls.
+
+A call finds a source's slot on the tensor `share_source_grad` returned, or on an alias of it that
+another autograd function made on the way (FSDP2 hands a module aliases of its inputs): any
+tensor with the marked one's data, shape, strides and dtype while the marked tensor is alive.
+Such an alias must derive from the marked tensor, so that its calls' backward runs before the
+slot's sum is handed on; a gradient arriving later is refused (`check_open`), never dropped.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -24,9 +32,10 @@ class GradSlot:
     `pending`, the group of calls whose mix pass has not run yet), and its 1 / rms per row,
     computed by the first call that reads it and again if the source changes."""
 
-    __slots__ = ("grad", "csum", "pending", "rstd", "rstd_key", "tables")
+    __slots__ = ("grad", "csum", "pending", "rstd", "rstd_key", "tables", "done", "__weakref__")
 
     def __init__(self) -> None:
+        self.done = False  # its sum was handed on: no call may add to it any more
         self.grad: torch.Tensor | None = None
         self.csum: torch.Tensor | None = None
         self.pending: MixGroup | None = None
@@ -71,22 +80,37 @@ def mix_shared(
     tables: LaunchTables = DEFAULT_TABLES,
 ) -> None:
     """A call whose every source is shared joins the pending group over the same sources, or
-    starts one."""
+    starts one. A call that waits for the next keeps copies of its query and norm weight: they
+    may be FSDP's gathered parameters, whose memory is freed once their layer's backward is done
+    (the sources and the output gradient stay alive: autograd and the slots hold them)."""
     group = slots[0].pending
     if group is None or group.slots != slots or group.num_heads != num_heads or group.tables is not tables:
         for slot in slots:
             if slot.pending is not None:
                 slot.pending.flush()
         group = MixGroup(slots, tuple(sources), num_heads, tables)
-    group.calls.append(call)
-    if len(group.calls) >= tables.mix["calls"]:
+    if len(group.calls) + 1 >= tables.mix["calls"]:
+        group.calls.append(call)
         group.flush()
+    else:
+        group.calls.append(call._replace(query=call.query.clone(), norm_weight=call.norm_weight.clone()))
+
+
+def check_open(slots: Sequence[GradSlot | None]) -> None:
+    """Refuse a gradient for a slot whose sum was already handed on (it would be lost)."""
+    if any(slot is not None and slot.done for slot in slots):
+        raise RuntimeError(
+            "mhar_route: a routing call's gradient reached a marked source (routing_source) after the source's "
+            "gradient sum was handed on: route the tensor routing_source returned (or an alias made of it), "
+            "not the original tensor"
+        )
 
 
 def finish_shared(source: torch.Tensor, slot: GradSlot) -> torch.Tensor | None:
     """The complete gradient a slot gathered: its norm term applied, once."""
     if slot.pending is not None:
         slot.pending.flush()
+    slot.done = True
     grad, csum, slot.grad, slot.csum = slot.grad, slot.csum, None, None
     if grad is None:
         return None
@@ -116,6 +140,20 @@ class _SharedGrad(torch.autograd.Function):
 
 
 _SLOT_ATTR = "_mhar_grad_slot"
+# (device, data pointer, shape, strides, dtype) of each live marked tensor -> [(its weakref, slot)]
+_MARKED: dict[tuple, list[tuple[weakref.ref, GradSlot]]] = {}
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    return t.device, t.data_ptr(), t.shape, t.stride(), t.dtype
+
+
+def _forget(key: tuple, ref: weakref.ref) -> None:
+    entries = [e for e in _MARKED.get(key, ()) if e[0] is not ref]
+    if entries:
+        _MARKED[key] = entries
+    else:
+        _MARKED.pop(key, None)
 
 
 def share_source_grad(source: torch.Tensor) -> torch.Tensor:
@@ -123,12 +161,22 @@ def share_source_grad(source: torch.Tensor) -> torch.Tensor:
     into one buffer in place, inside their backward kernel, instead of each returning a new
     tensor for autograd to add (one read and write less per call, and no separate add kernel).
     Apply it once where a source is made; every other consumer sees an ordinary tensor.
-    Inside a torch.compile graph it is the identity (see `_share_source_grad_in_graph`)."""
-    if not (source.requires_grad and torch.is_grad_enabled()):
+    Without grad (validation, evaluation) the mark carries the source's norm only, so that the
+    forward kernels compute exactly what they compute with grad (the same norms, from the same
+    kernel) and read each source's norm once. Inside a torch.compile graph it is the identity
+    (see `_share_source_grad_in_graph`)."""
+    if not torch.is_grad_enabled():
+        marked = source.view_as(source)
+        setattr(marked, _SLOT_ATTR, GradSlot())
+        return marked
+    if not source.requires_grad:
         return source
     slot = GradSlot()
     shared = _SharedGrad.apply(source, slot)
     setattr(shared, _SLOT_ATTR, slot)
+    key = _identity(shared)
+    ref = weakref.ref(shared, functools.partial(_forget, key))
+    _MARKED.setdefault(key, []).append((ref, slot))
     return shared
 
 
@@ -139,11 +187,20 @@ def _share_source_grad_in_graph(source: torch.Tensor) -> torch.Tensor:
     return source
 
 
+def _slot_of(t: torch.Tensor) -> GradSlot | None:
+    """The slot of a marked tensor, or of an alias of one (one live marked tensor with its data)."""
+    slot = getattr(t, _SLOT_ATTR, None)
+    if slot is not None or not t.requires_grad:
+        return slot
+    live = [slot for ref, slot in _MARKED.get(_identity(t), ()) if ref() is not None and not slot.done]
+    return live[0] if len(live) == 1 else None  # none, or ambiguous: autograd sums its gradient
+
+
 def grad_slots(sources: Sequence[torch.Tensor]) -> tuple[GradSlot | None, ...]:
     """Each source's slot, or None where it has none (or has one already taken in this call)."""
     slots, seen = [], set()
     for s in sources:
-        slot = getattr(s, _SLOT_ATTR, None)
+        slot = _slot_of(s)
         if slot is not None and id(slot) in seen:
             slot = None  # the same source twice in one call: one kernel cannot add twice in place
         if slot is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
 from torchtitan.components.metrics import MetricsProcessor
 
 
@@ -28,6 +29,60 @@ def throughput(mp: MetricsProcessor) -> dict[str, float]:
     mp.time_last_log = time.perf_counter()
     mp.device_memory_monitor.reset_peak_stats()
     return out
+
+
+class MemoryPhases:
+    """Device memory allocated at the step's phase boundaries (after the model's forward, after the
+    backward, after the optimizer), the largest value of each since the last log step, in GiB:
+    where the peak comes from (activations, gradients, state); the memory plan
+    (`python -m mhar_titan.plan`) is checked against these. A host-side counter, no sync.
+    Nothing on a host without CUDA."""
+
+    PHASES = ("forward", "backward", "optimizer")
+
+    def __init__(self, device: torch.device):
+        self.enabled = device.type == "cuda"
+        self.device = device
+        self.seen: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        if self.enabled:
+            gib = torch.cuda.memory_allocated(self.device) / 2**30
+            self.seen[phase] = max(gib, self.seen.get(phase, 0.0))
+
+    def take(self) -> dict[str, float]:
+        seen, self.seen = self.seen, {}
+        return {f"memory/after_{phase}_gib": seen[phase] for phase in self.PHASES if phase in seen}
+
+
+class StepReadback:
+    """A step's scalars (verdict, stop request, loss parts, gradient norm, routing statistics) for the
+    host without stalling the GPU: staged on the device once the backward is done, copied
+    asynchronously into pinned memory, read after the optimizer step has been issued. The host
+    then waits for the backward at most, while the GPU runs the optimizer, instead of for the
+    whole step (a plain .item() waits for everything issued before it). On a CPU, the values."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host: torch.Tensor | None = None
+        self.event: torch.cuda.Event | None = None
+
+    def stage(self, values: torch.Tensor) -> None:
+        if not self.cuda:
+            self.host = values.detach()
+            return
+        if self.host is None or self.host.shape != values.shape or self.host.dtype != values.dtype:
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        self.host.copy_(values.detach(), non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def read(self) -> list[float]:
+        if self.host is None:
+            raise RuntimeError("StepReadback.read before stage")
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
 
 def flush(mp: MetricsProcessor) -> None:

@@ -127,8 +127,10 @@ FLAVORS: dict[str, MHARModelArgs] = {
 }
 
 
-# The 8B width cut to 16 layers: what one GPU holds for speed benchmarks (make bench-step).
+# The 8B width cut to 16 layers: what one GPU holds for speed benchmarks (make bench-step); and to
+# 8 layers, the second depth the memory plan is checked at (python -m mhar_titan.plan).
 FLAVORS["marin8b_16l"] = dataclasses.replace(FLAVORS["marin8b"], n_layers=16)
+FLAVORS["marin8b_8l"] = dataclasses.replace(FLAVORS["marin8b"], n_layers=8)
 
 # The architecture is read from `model.hf_assets_path`/config.json at start-up.
 FLAVORS[HF_FLAVOR] = MHARModelArgs()

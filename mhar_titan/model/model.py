@@ -41,9 +41,11 @@ class RoutingSite(nn.Module):
         nn.init.zeros_(self.null)
         nn.init.zeros_(self.gate)
 
-    def forward(self, x: torch.Tensor, sources: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        out, weights = mhar_route_with_weights(
-            x,
+    def forward(self, sources: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate * R(sources), the routing weights [N, B, T, H]); the block adds the first to its
+        sublayer's input. R depends on the sources alone, not on the stream."""
+        return mhar_route_with_weights(
+            None,
             sources,
             self.null,
             self.query,
@@ -53,23 +55,53 @@ class RoutingSite(nn.Module):
             eps=self.eps,
             backend=self.backend,
         )
-        return out, self.stats(weights)
 
     @torch.no_grad()
     def stats(self, weights: torch.Tensor) -> torch.Tensor:
-        """[gate, mean per-head entropy, mean weight on null, on embedding, on all deltas].
-
-        A few reductions over the [N, B, T, H] weights: negligible next to the
-        routing itself, so they are computed every step and logged every stats_freq.
-        """
+        """[gate, mean per-head entropy, mean weight on null, on embedding, on all deltas], from the
+        [N, B, T, H] weights; computed only on the steps that log them."""
         w = weights.detach().float()
         entropy = -(w * torch.log(w.clamp_min(torch.finfo(w.dtype).tiny))).sum(dim=0).mean()
         deltas = w[2:].sum(dim=0).mean() if w.shape[0] > 2 else w.new_zeros(())
         return torch.stack([self.gate.detach().float().reshape(()), entropy, w[0].mean(), w[1].mean(), deltas])
 
 
+class BlockBody(nn.Module):
+    """A block's two sublayers, taking the sites' routed terms as inputs:
+
+        u = x + routed_attn,  h = x + Attn(attention_norm(u)),  v = h + routed_ffn,  out = h + MLP(ffn_norm(v))
+
+    and returning (out, the block's delta a + m). The routed terms depend on the sources alone,
+    so the routing runs before the body, outside what activation checkpointing recomputes and
+    torch.compile traces (parallelize.py wraps the body, not the block); the adds fuse into the
+    compiled norms. It shares the block's submodules and owns no parameter of its own: the block
+    does not register it, so parameter names and state dicts are the block's.
+    """
+
+    def __init__(self, block: TransformerBlock):
+        super().__init__()
+        self.attention = block.attention
+        self.attention_norm = block.attention_norm
+        self.feed_forward = block.feed_forward
+        self.ffn_norm = block.ffn_norm
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        routed_attn: torch.Tensor,
+        routed_ffn: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        attention_masks: AttentionMasksType | None,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.attention(self.attention_norm(x + routed_attn), freqs_cis, attention_masks, positions)
+        h = x + a
+        m = self.feed_forward(self.ffn_norm(h + routed_ffn))
+        return h + m, a + m
+
+
 class MHARBlock(TransformerBlock):
-    """torchtitan's block; with routing sites when MHAR is on."""
+    """torchtitan's block; with routing sites and a `BlockBody` when MHAR is on."""
 
     def __init__(self, layer_id: int, model_args: MHARModelArgs):
         super().__init__(layer_id, model_args)
@@ -79,6 +111,12 @@ class MHARBlock(TransformerBlock):
         if cfg.enable:
             self.attn_routing = RoutingSite(model_args.dim, cfg.num_heads, model_args.norm_eps, cfg.backend)
             self.ffn_routing = RoutingSite(model_args.dim, cfg.num_heads, model_args.norm_eps, cfg.backend)
+            self.set_body(BlockBody(self))
+
+    def set_body(self, body: nn.Module) -> None:
+        """The body to call: a `BlockBody` of this block, possibly wrapped (checkpoint, compile).
+        Kept out of the module tree (object.__setattr__), so it adds no parameter names."""
+        object.__setattr__(self, "body", body)
 
     def forward(  # type: ignore[override]
         self,
@@ -87,17 +125,20 @@ class MHARBlock(TransformerBlock):
         attention_masks: AttentionMasksType | None,
         positions: torch.Tensor | None = None,
         sources: list[torch.Tensor] | None = None,
+        want_stats: bool = False,
     ):
-        """Plain block without `sources`; else returns (output, a + m, site statistics [2, 5])."""
+        """Plain block without `sources`; else (output, a + m, site statistics [2, 5] or None)."""
         if sources is None:
             return super().forward(x, freqs_cis, attention_masks, positions)
         assert self.attn_routing is not None and self.ffn_routing is not None
-        u, attn_stats = self.attn_routing(x, sources)
-        a = self.attention(self.attention_norm(u), freqs_cis, attention_masks, positions)
-        h = x + a
-        v, ffn_stats = self.ffn_routing(h, sources)
-        m = self.feed_forward(self.ffn_norm(v))
-        return h + m, a + m, torch.stack([attn_stats, ffn_stats])
+        routed_attn, attn_weights = self.attn_routing(sources)
+        routed_ffn, ffn_weights = self.ffn_routing(sources)
+        out, delta = self.body(x, routed_attn, routed_ffn, freqs_cis, attention_masks, positions)
+        if not want_stats:
+            return out, delta, None
+        # here, inside the block's forward, where FSDP has gathered the gates
+        stats = torch.stack([self.attn_routing.stats(attn_weights), self.ffn_routing.stats(ffn_weights)])
+        return out, delta, stats
 
     def init_weights(self):
         super().init_weights()
@@ -124,8 +165,9 @@ class BlockDelta(nn.Module):
 class MHARTransformer(Transformer):
     """Llama-3.1 whose blocks route over depth when `model_args.mhar.enable`.
 
-    `routing_stats` holds, after each MHAR forward, the [n_layers, 2, 5] site
-    statistics of that forward (columns: STAT_NAMES; rows: attn, ffn).
+    With `collect_routing_stats` set (the trainer sets it on the steps that log them),
+    `routing_stats` holds, after each MHAR forward, the [n_layers, 2, 5] site statistics of
+    that forward (columns: STAT_NAMES; rows: attn, ffn); otherwise None.
     """
 
     def __init__(self, model_args: MHARModelArgs):
@@ -142,6 +184,7 @@ class MHARTransformer(Transformer):
         self.norm = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
         self.block_delta = BlockDelta()
+        self.collect_routing_stats = False
         self.routing_stats: torch.Tensor | None = None
 
     def forward(
@@ -157,20 +200,22 @@ class MHARTransformer(Transformer):
         backend = self.model_args.mhar.backend
         sources = [routing_source(h, backend)]
         per_block = self.model_args.layers_per_block
+        want_stats = self.collect_routing_stats
         deltas: list[torch.Tensor] = []
         stats = []
         for i, layer in enumerate(self.layers.values()):
-            h, delta, site_stats = layer(h, self.freqs_cis, attention_masks, positions, sources=sources)
+            h, delta, site_stats = layer(
+                h, self.freqs_cis, attention_masks, positions, sources=sources, want_stats=want_stats
+            )
             stats.append(site_stats)
             if i >= self.n_layers - per_block:
                 continue  # the last block's delta is never a source
             deltas.append(delta)
             if len(deltas) == per_block:
-                # A new list: activation checkpointing re-runs earlier layers with the list
-                # they were given, so it must never grow in place.
+                # A new list: the layers that read the old one keep it for their backward.
                 sources = [*sources, routing_source(self.block_delta(deltas), backend)]
                 deltas = []
-        self.routing_stats = torch.stack(stats).detach()
+        self.routing_stats = torch.stack(stats) if want_stats else None
         h = self.norm(h)
         return self.output(h)
 

@@ -1,33 +1,43 @@
 """torchtitan's Llama-3 parallelisation (TP, AC, per-block compile, FSDP2) for the MHAR model.
 
-Routing sites live inside their block, so they join the block's FSDP unit and
-its activation checkpoint. Two MHAR-only changes, both invisible to the math:
-- full activation checkpointing keeps the fused routing op's outputs instead of
-  re-running it (`keep_routing_outputs`): 2 x [B, T, d] per layer (2.1 GB at the
-  bench-step geometry, where the peak did not move) for one routing forward pass less;
-- with per-block compile, the fp32 sum of each block's deltas is compiled too.
+The control arm is torchtitan's `parallelize_llama` unchanged. For the MHAR arm, activation
+checkpointing and per-block compile wrap each block's `BlockBody` (its two sublayers, with the
+sites' routed terms as inputs) rather than the whole block, and FSDP2 shards the blocks as
+torchtitan does. So the routing runs once per step in every AC mode, outside the recomputed and
+compiled region: its outputs (2 x [B, T, d] per layer) are the body's inputs, kept by the
+checkpoint, as the control keeps each block's input; and the fused kernels run through their
+eager path, which sums each source's gradient in place across all the calls that read it,
+reads each source's norm once, and serves a block's calls with one mix pass (kernels/NOTES.md).
+With the `torch` backend (the reference) each site is checkpointed (when AC is on) and compiled
+(when the model is) on its own instead. The sum of each block's deltas is compiled too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-from torchtitan.config import ActivationCheckpoint, JobConfig
+from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.llama3 import parallelize_llama
+from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_compile
+from torchtitan.tools import utils as titan_utils
 from torchtitan.tools.logging import logger
 
-import kernels.triton.autograd  # noqa: F401  (registers torch.ops.mhar.route_fwd)
+from kernels.routing import resolve_backend
+from mhar_titan.model.model import MHARBlock
+
+# Backends whose routing op keeps only references to its inputs for the backward (nothing for a
+# checkpoint to drop); the torch reference saves its intermediates and is checkpointed per site.
+_SAVES_NOTHING = ("triton", "triton_op")
 
 
 def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
-    """torchtitan's parallelize_llama (torchtitan/models/llama3/infra/parallelize.py); for MHAR first the
-    routing's compile settings and full AC keeping the routing outputs, and no TP or CP."""
+    """torchtitan's parallelize_llama (torchtitan/models/llama3/infra/parallelize.py); for MHAR its AC and
+    per-block compile applied to the blocks' bodies and routing sites first, and no TP or CP."""
     mhar = model.model_args.mhar
     if not mhar.enable:
         return parallelize_llama(model, parallel_dims, job_config)
@@ -36,56 +46,79 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobCo
     if parallel_dims.cp_enabled:
         raise ValueError("[mhar] enable = true does not support context parallelism")
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
-    if compile_model:
-        allow_routing_graphs(mhar.num_blocks)
-        model.block_delta = torch.compile(model.block_delta, backend=job_config.compile.backend, fullgraph=True)
     ac = job_config.activation_checkpoint
-    if ac.mode == "full":
-        apply_routing_keeping_ac(model, ac)
-        # torchtitan's apply_ac is skipped below; its dynamo setting applies here too
-        torch._C._dynamo.eval_frame._set_lru_cache(False)
-        job_config = dataclasses.replace(job_config, activation_checkpoint=dataclasses.replace(ac, mode="none"))
-    return parallelize_llama(model, parallel_dims, job_config)
+    wrap_blocks(model, job_config, compile_model)
+    # torchtitan's AC and compile are applied above; the rest (FSDP2 or DDP) as for the control
+    rest = dataclasses.replace(
+        job_config,
+        activation_checkpoint=dataclasses.replace(ac, mode="none"),
+        compile=dataclasses.replace(
+            job_config.compile, components=[c for c in job_config.compile.components if c != "model"]
+        ),
+    )
+    if compile_model and parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
+        torch._dynamo.config.optimize_ddp = "ddp_optimizer"  # what parallelize_llama's apply_ddp sets
+    return parallelize_llama(model, parallel_dims, rest)
 
 
-def keep_routing_outputs(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """Selective-checkpoint policy: save the fused routing op's outputs, recompute the rest."""
-    if func == torch.ops.mhar.route_fwd.default:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def apply_routing_keeping_ac(model: nn.Module, ac: ActivationCheckpoint) -> None:
-    """torchtitan's full per-block activation checkpointing, with `keep_routing_outputs`. Forked from
-    torchtitan 0.2.2 torchtitan/distributed/activation_checkpoint.py, _apply_full_ac and apply_ac.
-
-    The policy sees the routing as one op under torch.compile (the custom op); eager
-    calls run the kernels through an autograd.Function that it cannot see, and are
-    recomputed as under plain full AC. Either way the numbers are the same.
-    """
-    context_fn = functools.partial(create_selective_checkpoint_contexts, keep_routing_outputs)
-    for layer_id, block in model.layers.named_children():
-        wrapped = checkpoint_wrapper(
-            block,
-            context_fn=context_fn,
-            preserve_rng_state=ac.preserve_rng_state,
-            determinism_check=ac.determinism_check,
-            early_stop=ac.early_stop,
-            debug=ac.debug,
+def wrap_blocks(model: nn.Module, job_config: JobConfig, compile_model: bool) -> None:
+    """torchtitan's activation checkpointing (any mode) and per-block compile on each block's body,
+    the torch backend's sites wrapped on their own, the block-delta sum compiled."""
+    ac = job_config.activation_checkpoint
+    blocks: dict[str, MHARBlock] = dict(model.layers.items())
+    bodies = BodyTree(blocks)
+    if ac.mode != "none":
+        # torchtitan's own AC (full, op-level or layer selective) on each body: the block's FQNs
+        # stay valid (the body names its submodules as the block does)
+        apply_ac(
+            bodies,
+            ac,
+            model_compile_enabled=compile_model,
+            op_sac_save_list=_op_sac_save_list,
+            base_folder=job_config.job.dump_folder,
         )
-        model.layers.register_module(layer_id, wrapped)
-    logger.info("Applied full activation checkpointing to the model, keeping the routing op's outputs")
+    if compile_model:
+        apply_compile(bodies, job_config.compile)
+        model.block_delta = torch.compile(model.block_delta, backend=job_config.compile.backend, fullgraph=True)
+    for layer_id, block in blocks.items():
+        block.set_body(bodies.layers[layer_id])
+    backend = resolve_backend(model.model_args.mhar.backend, torch.device(titan_utils.device_type))
+    if backend not in _SAVES_NOTHING:
+        if compile_model:
+            allow_routing_graphs(model.model_args.mhar.num_blocks)
+        wrap_reference_sites(blocks, checkpointed=ac.mode != "none", compiled=compile_model, job_config=job_config)
+    logger.info(
+        f"MHAR: activation checkpointing ({ac.mode}) and compile ({compile_model}) wrap each block's body; "
+        f"the routing ({backend}) runs once per step, outside them"
+    )
+
+
+class BodyTree(nn.Module):
+    """The blocks' bodies under `layers`, as torchtitan's apply_ac and apply_compile expect a model;
+    used only while wrapping them (the model's module tree does not hold it)."""
+
+    def __init__(self, blocks: dict[str, MHARBlock]):
+        super().__init__()
+        self.layers = nn.ModuleDict({layer_id: block.body for layer_id, block in blocks.items()})
+
+
+def wrap_reference_sites(
+    blocks: dict[str, MHARBlock], *, checkpointed: bool, compiled: bool, job_config: JobConfig
+) -> None:
+    """The torch backend's sites: checkpointed per call (it saves its stacked fp32 sources and
+    norms otherwise) and compiled in place (`nn.Module.compile`, so no name changes)."""
+    ac = job_config.activation_checkpoint
+    for block in blocks.values():
+        for name in ("attn_routing", "ffn_routing"):
+            site = getattr(block, name)
+            if checkpointed:
+                site = checkpoint_wrapper(site, preserve_rng_state=False, determinism_check=ac.determinism_check)
+                block.register_module(name, site)
+            if compiled:
+                site.compile(backend=job_config.compile.backend, fullgraph=True)
 
 
 def allow_routing_graphs(num_blocks: int) -> None:
-    """Let per-block compile keep every graph the routing needs, so none falls back to eager.
-
-    All blocks are compiled from one code object, and Dynamo specialises on the
-    length of the `sources` list: blocks 0..num_blocks-1 see 1..num_blocks
-    sources. Layer 0 may add one more graph: its input is the embedding, which is
-    also sources[0], and Dynamo guards on that aliasing (the activation-checkpoint
-    wrapper hides it). So at most num_blocks + 1 graphs for training, whatever the depth,
-    and as many again for validation, which runs without grad (a guard too): the
-    recompile limit is raised to that bound.
-    """
+    """Let each compiled site keep every graph it needs: Dynamo specialises on the length of the
+    `sources` list, 1..num_blocks, with and without grad (validation), so none falls back to eager."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * (num_blocks + 1))

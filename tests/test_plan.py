@@ -1,0 +1,63 @@
+"""The memory plan against the peaks measured on one H200 (docs/performance.md, 2026-12-01: make
+bench-step's geometry, the 8B width at 8 and 16 layers, seq 4096, microbatch 2, 8 MHAR blocks, both
+arms, every AC mode), and its command line."""
+
+import json
+
+import pytest
+from conftest import REPO
+
+from mhar_titan.config import parse_config
+from mhar_titan.plan import GIB, estimate, geometry, main, parse_memory
+
+# (flavor, arm, mode): (peak active GiB, allocated GiB after the forward), as make bench-step printed them
+MEASURED = {
+    ("marin8b_16l", "control", "full"): (84.90, 72.85),
+    ("marin8b_16l", "mhar", "full"): (84.91, 77.29),
+    ("marin8b_16l", "control", "selective"): (84.90, 78.61),
+    ("marin8b_16l", "mhar", "selective"): (85.01, 83.06),
+    ("marin8b_16l", "control", "none"): (97.32, 95.36),
+    ("marin8b_16l", "mhar", "none"): (98.89, 96.93),
+    ("marin8b_8l", "control", "full"): (52.40, 45.84),
+    ("marin8b_8l", "mhar", "full"): (52.40, 48.29),
+    ("marin8b_8l", "control", "selective"): (52.40, 48.73),
+    ("marin8b_8l", "mhar", "selective"): (53.13, 51.17),
+    ("marin8b_8l", "control", "none"): (59.06, 57.10),
+    ("marin8b_8l", "mhar", "none"): (60.13, 58.17),
+}
+BENCH = ["--training.seq_len", "4096", "--training.local_batch_size", "2", "--mhar.num_blocks", "8"]
+
+
+@pytest.mark.parametrize("flavor,arm,mode", list(MEASURED))
+def test_plan_is_within_5_percent_of_the_measured_peak_and_forward(flavor, arm, mode):
+    cfg = parse_config(["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--model.flavor", flavor, *BENCH])
+    e = estimate(geometry(cfg, gpus=1, mhar=arm == "mhar"), mode)
+    peak, forward = MEASURED[flavor, arm, mode]
+    assert abs(e["peak"] / GIB - peak) <= 0.05 * peak, (e["peak"] / GIB, peak)
+    start = e["moments"]["backward start"]  # the forward's end is the backward's start before the logits' gradient
+    got = (sum(start.values()) - start["logit grads"]) / GIB
+    assert abs(got - forward) <= 0.05 * forward, (got, forward)
+
+
+def test_the_marin8b_configs_run_the_mode_the_plan_recommends_for_8_h100s(capsys):
+    modes = set()
+    for arm in ("control", "mhar"):
+        cfg_path = str(REPO / "configs" / f"marin8b_{arm}.toml")
+        main([cfg_path, "--gpus", "8", "--gpu-memory", "80GiB", "--json", "--model.flavor", "marin8b"])
+        result = json.loads(capsys.readouterr().out)
+        assert set(result["peak_gib"]) == {"none", "selective", "full"}
+        assert all(result["peak_gib"][m]["mhar"] > result["peak_gib"][m]["control"] for m in result["peak_gib"])
+        modes.add(result["recommended"])
+        assert parse_config(["--job.config_file", cfg_path]).activation_checkpoint.mode == result["recommended"]
+    assert len(modes) == 1  # both arms, one mode
+
+
+def test_a_plan_that_cannot_fit_says_so_and_bad_input_is_named(capsys, tmp_path):
+    tiny = str(REPO / "configs" / "marin8b_mhar.toml")
+    main([tiny, "--gpus", "1", "--gpu-memory", "24GiB", "--model.flavor", "marin8b"])
+    assert "no mode fits" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="config.json.*--model.flavor marin8b"):
+        main([tiny, "--gpus", "8", "--gpu-memory", "80GiB", "--model.hf_assets_path", str(tmp_path / "absent")])
+    assert parse_memory("80GiB") == 80 * GIB and parse_memory("141 GB") == 141e9
+    with pytest.raises(SystemExit):
+        main([tiny, "--gpus", "8", "--gpu-memory", "80 gigs"])
