@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -225,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     args, overrides = parser.parse_known_args(argv)
     if args.gpus < 1 or not 0 <= args.margin < 1:
         parser.error("--gpus must be >= 1 and --margin in [0, 1)")
+    if not os.path.isfile(args.config):
+        parser.error(f"config {args.config}: no such file")
     try:
         with _quiet():  # torchtitan warns of a missing base folder, which a plan with a flavor does not read
             cfg = parse_config(["--job.config_file", args.config, *overrides])

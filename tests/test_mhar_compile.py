@@ -6,11 +6,10 @@ import copy
 import pytest
 import torch
 from conftest import REPO
+from tiny_runs import routed_tiny_model
 from torch._dynamo.utils import counters
 
 from mhar_titan.config import parse_config
-from mhar_titan.model.args import FLAVORS, MHAR
-from mhar_titan.model.model import MHARTransformer
 from mhar_titan.model.parallelize import wrap_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -19,24 +18,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_per_block_compile_makes_a_bounded_number_of_graphs_and_matches_eager(backend):
     num_blocks = 2
-    args = copy.deepcopy(FLAVORS["tiny"])
-    args.max_seq_len = 32
-    args.mhar = MHAR(enable=True, num_blocks=num_blocks, backend=backend)
-    torch.manual_seed(0)
-    with torch.device(DEVICE):
-        eager = MHARTransformer(args)
-    with torch.no_grad():
-        eager.init_weights()
-        for name, p in eager.named_parameters():
-            if "_routing." in name:
-                p.copy_(torch.randn_like(p) * (0.1 if name.endswith(".gate") else 1.0))
+    eager = routed_tiny_model(seq=32, num_blocks=num_blocks, backend=backend, device=DEVICE)
     compiled = copy.deepcopy(eager)
     tiny = str(REPO / "configs" / "tiny_cpu.toml")
     config = parse_config(["--job.config_file", tiny, "--compile.enable", "--activation_checkpoint.mode", "full"])
 
     torch._dynamo.reset()
     counters.clear()
-    tokens = torch.randint(0, args.vocab_size, (2, 32), device=DEVICE)
+    tokens = torch.randint(0, eager.vocab_size, (2, 32), device=DEVICE)
     wrap_blocks(compiled, config, compile_model=True)
     for _ in range(2):  # the second pass must reuse the graphs
         out = compiled(tokens)

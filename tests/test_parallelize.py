@@ -6,11 +6,10 @@ import copy
 import pytest
 import torch
 from conftest import REPO
+from tiny_runs import routed_tiny_model
 
 import kernels.triton.launch as rt
 from mhar_titan.config import parse_config
-from mhar_titan.model.args import FLAVORS, MHAR
-from mhar_titan.model.model import MHARTransformer
 from mhar_titan.model.parallelize import wrap_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -24,18 +23,8 @@ AC = {
 
 @pytest.fixture(scope="module")
 def tiny_mhar():
-    args = copy.deepcopy(FLAVORS["tiny"])
-    args.max_seq_len = 16
-    args.mhar = MHAR(enable=True, num_blocks=2, backend="triton")
-    torch.manual_seed(0)
-    with torch.device(DEVICE):
-        model = MHARTransformer(args)
-    with torch.no_grad():
-        model.init_weights()
-        for name, p in model.named_parameters():
-            if "_routing." in name:
-                p.copy_(torch.randn_like(p) * (0.1 if name.endswith(".gate") else 1.0))
-    tokens = torch.randint(0, args.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    model = routed_tiny_model(seq=16, num_blocks=2, backend="triton", device=DEVICE)
+    tokens = torch.randint(0, model.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     return model, tokens
 
 

@@ -61,3 +61,6 @@ def test_a_plan_that_cannot_fit_says_so_and_bad_input_is_named(capsys, tmp_path)
     assert parse_memory("80GiB") == 80 * GIB and parse_memory("141 GB") == 141e9
     with pytest.raises(SystemExit):
         main([tiny, "--gpus", "8", "--gpu-memory", "80 gigs"])
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "absent.toml"), "--gpus", "8", "--gpu-memory", "80GiB"])
+    assert "absent.toml: no such file" in capsys.readouterr().err

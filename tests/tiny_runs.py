@@ -1,6 +1,8 @@
 """Run folders as train_cpt.py leaves them, written in-process (no torchrun), for tests of the tools that
-read runs: model_args.json and one complete DCP checkpoint with a weight EMA."""
+read runs: model_args.json and one complete DCP checkpoint with a weight EMA; and the tiny MHAR model with
+routing already trained a little (random routing parameters, open gates)."""
 
+import copy
 import dataclasses
 import json
 
@@ -8,7 +10,24 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mhar_titan.model.args import FLAVORS, MHAR
-from mhar_titan.model.model import build_initialised
+from mhar_titan.model.model import MHARTransformer, build_initialised
+
+
+def routed_tiny_model(seq: int, num_blocks: int, backend: str, device: str) -> MHARTransformer:
+    """The tiny flavor with MHAR on, torchtitan's initialisation, then random routing parameters
+    (gates at 0.1 scale), built on `device` with seed 0."""
+    args = copy.deepcopy(FLAVORS["tiny"])
+    args.max_seq_len = seq
+    args.mhar = MHAR(enable=True, num_blocks=num_blocks, backend=backend)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = MHARTransformer(args)
+    with torch.no_grad():
+        model.init_weights()
+        for name, p in model.named_parameters():
+            if "_routing." in name:
+                p.copy_(torch.randn_like(p) * (0.1 if name.endswith(".gate") else 1.0))
+    return model
 
 
 def write_tiny_run(run, base, mhar: MHAR, seed: int, step: int) -> None:

@@ -130,12 +130,7 @@ class _Route(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, null, query, norm_weight, gate, num_heads, eps, tables, *sources):
         ctx.slots = shared.grad_slots(sources)
-        # a marked source's rstd, for the row kernels: computed by the first call that reads it
-        rstds = []
-        for s, slot in zip(sources, ctx.slots, strict=True):
-            if slot is not None:
-                slot.tables = tables
-            rstds.append(None if slot is None else slot.source_rstd(s, eps))
+        rstds = _marked_rstds(sources, ctx.slots, eps, tables)
         out, weights = host.forward(x, sources, null, query, norm_weight, gate, num_heads, eps, tables, rstds)
         ctx.num_heads, ctx.eps, ctx.rstds, ctx.tables, ctx.has_x = num_heads, eps, rstds, tables, x is not None
         # The backward needs the inputs only (not x). Kept on ctx rather than saved with
@@ -187,10 +182,20 @@ def route_eager(
     inference) the forward kernel is launched directly, with no autograd bookkeeping."""
     tables = tables or DEFAULT_TABLES
     if not torch.is_grad_enabled() or not _any_requires_grad(x, null, query, norm_weight, gate, sources):
-        slots = shared.grad_slots(sources)  # marked sources' norms, computed once, as with grad
-        rstds = [None if slot is None else slot.source_rstd(s, eps) for s, slot in zip(sources, slots, strict=True)]
+        rstds = _marked_rstds(sources, shared.grad_slots(sources), eps, tables)  # the norms read with grad too
         return host.forward(x, sources, null, query, norm_weight, gate, num_heads, eps, tables, rstds)
     return _Route.apply(x, null, query, norm_weight, gate, num_heads, eps, tables, *sources)
+
+
+def _marked_rstds(sources, slots, eps: float, tables: LaunchTables) -> list[torch.Tensor | None]:
+    """Each marked source's 1 / rms per row, for the row kernels: computed by the first call that
+    reads it; None for unmarked sources."""
+    rstds = []
+    for s, slot in zip(sources, slots, strict=True):
+        if slot is not None:
+            slot.tables = tables
+        rstds.append(None if slot is None else slot.source_rstd(s, eps))
+    return rstds
 
 
 def _any_requires_grad(x, null, query, norm_weight, gate, sources) -> bool:
