@@ -32,6 +32,7 @@ BACKENDS = ("auto", "torch", "triton", "triton_op")
 __all__ = [
     "BACKENDS",
     "MAX_TRITON_SOURCES",
+    "compute_dtype",
     "mhar_route",
     "mhar_route_with_weights",
     "resolve_backend",
@@ -64,13 +65,14 @@ def route_torch(
     *,
     num_heads: int,
     eps: float,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference routing: returns (x + gate * R, or gate * R when x is None; routing weights
     [N, *shape[:-1], H]).
 
     Statistics and accumulation run in fp32 (fp64 for fp64 inputs); the output has x's dtype,
-    or without x the site parameters' (the compute dtype: bf16 under FSDP's mixed precision,
-    whatever the sources'). The stacked copy of the sources is fine for a reference.
+    or without x `out_dtype` (`compute_dtype`: the autocast dtype, else the site parameters').
+    The stacked copy of the sources is fine for a reference.
     """
     _check(x, sources, query, num_heads)
     ref = sources[0] if x is None else x
@@ -86,8 +88,18 @@ def route_torch(
     mixed = (weights.unsqueeze(-1) * s.view(heads)).sum(dim=0).reshape(ref.shape)
     out = gate.to(acc).reshape(()) * mixed
     if x is None:
-        return out.to(query.dtype), weights
+        return out.to(out_dtype or query.dtype), weights
     return (x.to(acc) + out).to(x.dtype), weights
+
+
+def compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype of gate * R without x: autocast's where it is on (one GPU without FSDP, whose
+    fp32 parameters would otherwise make every routed term and its gradient fp32), else the site
+    parameters' (bf16 under FSDP's mixed precision, whatever the sources')."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return query.dtype
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -127,11 +139,12 @@ def mhar_route_with_weights(
     """`mhar_route` that also returns the routing weights [N, B, T, H] (fp32) for statistics."""
     _check(x, sources, query, num_heads)
     backend = resolve_backend(backend, sources[0].device)
+    kw = {"num_heads": num_heads, "eps": eps, "out_dtype": None if x is not None else compute_dtype(query)}
     if backend == "triton":
-        return route_eager(x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps)
+        return route_eager(x, sources, null, query, norm_weight, gate, **kw)
     if backend == "triton_op":
-        return route_op(x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps)
-    return route_torch(x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps)
+        return route_op(x, sources, null, query, norm_weight, gate, **kw)
+    return route_torch(x, sources, null, query, norm_weight, gate, **kw)
 
 
 def mhar_route(
@@ -148,7 +161,7 @@ def mhar_route(
 ) -> torch.Tensor:
     """x + gate * R(sources) for one routing site.
 
-    x: [B, T, d] the site's stream input, or None for gate * R alone, in the parameters' dtype
+    x: [B, T, d] the site's stream input, or None for gate * R alone, in `compute_dtype`
     (the model adds x inside its compiled block, where the add costs nothing); sources: [B, T, d] tensors
     (embedding, then completed block deltas), in order; null, query, norm_weight: [d];
     gate: one element (0-dim, or [1] as FSDP2 stores it, since it cannot shard

@@ -140,7 +140,7 @@ def estimate(g: Geometry, mode: str) -> dict[str, Any]:
     """Bytes per rank at the start and the end of the backward, by component, and the peak."""
     n, d, shards = g.tokens, g.dim, g.ranks
     stream = 2 if g.fsdp else 4
-    param = 2 if g.fsdp else 4  # the dtype the sites' routed terms take: the gathered parameters'
+    routed = 2  # the routed terms' dtype: the gathered parameters' under FSDP, autocast's on one GPU (bf16)
     state = (4 + 8 + (4 if g.ema else 0)) * g.params / shards  # master weights, AdamW moments, EMA
     fixed = CUBLAS_WORKSPACES + g.rope_bytes
     kept = {
@@ -151,10 +151,14 @@ def estimate(g: Geometry, mode: str) -> dict[str, Any]:
     }
     if g.mhar:
         deltas = (g.num_blocks - 1) * n * d * 2  # the completed blocks' deltas, the sources (bf16)
-        if mode == "none":  # measured: the compiled body keeps a block delta per layer, and one stream tensor
-            kept["routing"] = deltas + g.layers * n * d * 2 + n * d * stream
+        if not g.fsdp:  # under autocast the embedding source is a bf16 copy of the fp32 embedding
+            deltas += n * d * 2
+        if mode == "none":  # measured: the compiled body keeps a block delta per layer, and one stream tensor;
+            # under autocast (fp32 stream, bf16 routed terms) also a routed term per layer
+            extra = 0 if g.fsdp else g.layers * n * d * routed
+            kept["routing"] = deltas + g.layers * n * d * 2 + n * d * stream + extra
         else:  # the checkpoint keeps each site's routed term: 2 per layer
-            kept["routing"] = deltas + g.layers * 2 * n * d * param
+            kept["routing"] = deltas + g.layers * 2 * n * d * routed
     gathered = 2 * 2 * g.layer_params if g.fsdp else 0  # current and prefetched block, bf16
     start = {"state": state, "fixed": fixed, **kept, "logit grads": 2 * n * g.vocab, "gathered": gathered}
     end = {

@@ -488,6 +488,26 @@ def test_a_marked_source_routed_again_after_its_gradient_was_handed_on_is_refuse
         out.sum().backward()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton_op"])
+def test_under_autocast_the_output_without_x_has_the_autocast_dtype(backend, poisoned):
+    """One GPU trains under autocast with fp32 parameters: gate * R (and so its gradient) comes
+    out in the autocast dtype, as under FSDP's bf16 parameters, with x it keeps x's dtype; the
+    parameters' gradients keep theirs. The same values as the bf16 result of the torch backend."""
+    H, d, T = 8, 40, 5
+    leaves = site(H, d, 2, T, torch.float32)
+    sources = [s.detach().bfloat16().requires_grad_() for s in leaves[1:3]]
+    params = leaves[3:]
+    ref = route_torch(None, sources, *params, num_heads=H, eps=1e-5, out_dtype=torch.bfloat16)[0]
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+        out, _ = mhar_route_with_weights(None, sources, *params, num_heads=H, eps=1e-5, backend=backend)
+        with_x, _ = mhar_route_with_weights(leaves[0], sources, *params, num_heads=H, eps=1e-5, backend=backend)
+    assert out.dtype == torch.bfloat16 and with_x.dtype == torch.float32
+    # one bf16 rounding of the same fp32 value: at most one bf16 ulp apart (2**-7 relative)
+    assert torch.allclose(out.float(), ref.float(), rtol=2**-7, atol=0), (out.float() - ref.float()).abs().max()
+    grads = torch.autograd.grad(out.float().square().sum(), [*sources, *params])
+    assert [g.dtype for g in grads] == [t.dtype for t in (*sources, *params)]
+
+
 @pytest.mark.parametrize("backend", ["triton", "triton_op"])
 def test_without_x_the_output_has_the_parameters_dtype_whatever_the_sources(backend, poisoned):
     """Under FSDP's mixed precision the embedding source can be fp32 while the block deltas and the

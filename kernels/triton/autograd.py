@@ -37,15 +37,16 @@ def route_fwd(
     gate: torch.Tensor,
     num_heads: int,
     eps: float,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return host.forward(x, sources, null, query, norm_weight, gate, num_heads, eps)
+    return host.forward(x, sources, null, query, norm_weight, gate, num_heads, eps, out_dtype=out_dtype)
 
 
 @route_fwd.register_fake
-def _(x, sources, null, query, norm_weight, gate, num_heads, eps):
+def _(x, sources, null, query, norm_weight, gate, num_heads, eps, out_dtype=None):
     ref = sources[0] if x is None else x
     weights = ref.new_empty((len(sources) + 1, *ref.shape[:-1], num_heads), dtype=torch.float32)
-    out = torch.empty_like(ref) if x is not None else torch.empty_like(ref, dtype=query.dtype)
+    out = torch.empty_like(ref) if x is not None else torch.empty_like(ref, dtype=out_dtype or query.dtype)
     return out, weights
 
 
@@ -75,7 +76,7 @@ def _(grad_out, sources, null, query, norm_weight, gate, num_heads, eps):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, sources, null, query, norm_weight, gate, num_heads, eps = inputs
+    x, sources, null, query, norm_weight, gate, num_heads, eps, *_ = inputs
     ctx.num_heads, ctx.eps, ctx.has_x = num_heads, eps, x is not None
     ctx.save_for_backward(null, query, norm_weight, gate, *sources)
 
@@ -83,7 +84,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _op_backward(ctx, grad_out, grad_weights):
     null, query, norm_weight, gate, *sources = ctx.saved_tensors
     dsrcs, dz, dq, dg, dgate = route_bwd(grad_out, sources, null, query, norm_weight, gate, ctx.num_heads, ctx.eps)
-    return grad_out if ctx.has_x else None, dsrcs, dz, dq, dg, dgate, None, None
+    return grad_out if ctx.has_x else None, dsrcs, dz, dq, dg, dgate, None, None, None
 
 
 route_fwd.register_autograd(_op_backward, setup_context=_setup_context)
@@ -99,10 +100,11 @@ def route_op(
     *,
     num_heads: int,
     eps: float,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused routing through the custom op (default launch tables): (x + gate * R, or gate * R
-    when x is None; routing weights [N, *shape[:-1], H] fp32)."""
-    return torch.ops.mhar.route_fwd(x, list(sources), null, query, norm_weight, gate, num_heads, eps)
+    """Fused routing through the custom op (default launch tables): (x + gate * R, or gate * R in
+    `out_dtype` (default: the parameters') when x is None; routing weights [N, *shape[:-1], H] fp32)."""
+    return torch.ops.mhar.route_fwd(x, list(sources), null, query, norm_weight, gate, num_heads, eps, out_dtype)
 
 
 def _unpack_inputs(ctx) -> tuple[torch.Tensor, ...]:
@@ -128,10 +130,11 @@ class _Route(torch.autograd.Function):
     """The kernels for eager mode, without the custom-op dispatch."""
 
     @staticmethod
-    def forward(ctx, x, null, query, norm_weight, gate, num_heads, eps, tables, *sources):
+    def forward(ctx, x, null, query, norm_weight, gate, num_heads, eps, tables, out_dtype, *sources):
         ctx.slots = shared.grad_slots(sources)
         rstds = _marked_rstds(sources, ctx.slots, eps, tables)
-        out, weights = host.forward(x, sources, null, query, norm_weight, gate, num_heads, eps, tables, rstds)
+        args = (x, sources, null, query, norm_weight, gate, num_heads, eps, tables, rstds, out_dtype)
+        out, weights = host.forward(*args)
         ctx.num_heads, ctx.eps, ctx.rstds, ctx.tables, ctx.has_x = num_heads, eps, rstds, tables, x is not None
         # The backward needs the inputs only (not x). Kept on ctx rather than saved with
         # save_for_backward, so an activation checkpoint around the call has no saved
@@ -147,7 +150,7 @@ class _Route(torch.autograd.Function):
     def backward(ctx, grad_out, grad_weights):
         null, query, norm_weight, gate, *sources = _unpack_inputs(ctx)
         if grad_out is None:  # the output did not reach the loss
-            return (None,) * (8 + len(sources))
+            return (None,) * (9 + len(sources))
         shared.check_open(ctx.slots)
         rstds, ctx.rstds = ctx.rstds, None
         tables = ctx.tables
@@ -161,7 +164,7 @@ class _Route(torch.autograd.Function):
         else:
             dsrcs = host.mix([call], sources, ctx.slots, ctx.num_heads, tables)
         dx = grad_out if ctx.has_x else None
-        return dx, dz, dq, dg, dgate, None, None, None, *dsrcs
+        return dx, dz, dq, dg, dgate, None, None, None, None, *dsrcs
 
 
 def route_eager(
@@ -175,16 +178,18 @@ def route_eager(
     num_heads: int,
     eps: float,
     tables: LaunchTables | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused routing through the eager autograd.Function: (x + gate * R, or gate * R when x is
-    None; routing weights [N, *shape[:-1], H] fp32). `tables`: launch shapes, DEFAULT_TABLES
+    """Fused routing through the eager autograd.Function: (x + gate * R, or gate * R in
+    `out_dtype` (default: the parameters') when x is None; routing weights [N, *shape[:-1], H]
+    fp32). `tables`: launch shapes, DEFAULT_TABLES
     unless a benchmark passes its own. With nothing to differentiate (validation, evaluation,
     inference) the forward kernel is launched directly, with no autograd bookkeeping."""
     tables = tables or DEFAULT_TABLES
     if not torch.is_grad_enabled() or not _any_requires_grad(x, null, query, norm_weight, gate, sources):
         rstds = _marked_rstds(sources, shared.grad_slots(sources), eps, tables)  # the norms read with grad too
-        return host.forward(x, sources, null, query, norm_weight, gate, num_heads, eps, tables, rstds)
-    return _Route.apply(x, null, query, norm_weight, gate, num_heads, eps, tables, *sources)
+        return host.forward(x, sources, null, query, norm_weight, gate, num_heads, eps, tables, rstds, out_dtype)
+    return _Route.apply(x, null, query, norm_weight, gate, num_heads, eps, tables, out_dtype, *sources)
 
 
 def _marked_rstds(sources, slots, eps: float, tables: LaunchTables) -> list[torch.Tensor | None]:
@@ -216,7 +221,8 @@ def _route_eager_in_graph(
     num_heads: int,
     eps: float,
     tables: LaunchTables | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What torch.compile traces in place of `route_eager`: `route_op`, one graph node (with the
     default launch tables, the only ones the custom op knows)."""
-    return route_op(x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps)
+    return route_op(x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps, out_dtype=out_dtype)

@@ -53,16 +53,21 @@ def forward(
     eps: float,
     tables: LaunchTables = DEFAULT_TABLES,
     rstds: Sequence[torch.Tensor | None] = (),
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward kernel: (x + gate * R in x's dtype, or gate * R in the parameters' dtype when x
-    is None; routing weights [N, *shape[:-1], H] fp32). `rstds`: per source its 1 / rms per row
-    where known, else None."""
+    """The forward kernel: (x + gate * R in x's dtype, or gate * R in `out_dtype` (default: the
+    parameters') when x is None; routing weights [N, *shape[:-1], H] fp32). `rstds`: per source
+    its 1 / rms per row where known, else None."""
     check_inputs(x, sources)
     srcs = tuple(s.contiguous() for s in sources)
     d = srcs[0].shape[-1]
     m = srcs[0].numel() // d
     xs = srcs[0] if x is None else x.contiguous()  # not read without x
-    out = launch.empty_like(xs) if x is not None else launch.empty(xs.shape, device=xs.device, dtype=query.dtype)
+    out = (
+        launch.empty_like(xs)
+        if x is not None
+        else launch.empty(xs.shape, device=xs.device, dtype=out_dtype or query.dtype)
+    )
     weights = launch.empty((len(srcs) + 1, *srcs[0].shape[:-1], num_heads), device=xs.device, dtype=torch.float32)
     interp = interpreting()
     shape = tables.fwd[len(srcs)]

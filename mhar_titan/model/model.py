@@ -198,7 +198,12 @@ class MHARTransformer(Transformer):
 
         h = self.tok_embeddings(tokens)
         backend = self.model_args.mhar.backend
-        sources = [routing_source(h, backend)]
+        embedding = h
+        if torch.is_autocast_enabled(h.device.type):
+            # One GPU, no FSDP: the embedding is fp32 there (autocast leaves it), the block deltas
+            # bf16. Routed in the autocast dtype, as under FSDP's bf16 parameters: half the reads.
+            embedding = h.to(torch.get_autocast_dtype(h.device.type))
+        sources = [routing_source(embedding, backend)]
         per_block = self.model_args.layers_per_block
         want_stats = self.collect_routing_stats
         deltas: list[torch.Tensor] = []
