@@ -1,4 +1,4 @@
-# The interface: install, test, demo, lint, bench-kernels, bench-data. `make test` and `make demo`
+# The interface: install, test, demo, lint, bench-kernels, bench-step, bench-data, bench-startup. `make test` and `make demo`
 # each set up everything they need on a fresh machine.
 
 PYTHON ?= python3
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DIR := runs/tiny
 
-.PHONY: install test demo lint bench-kernels bench-step bench-data clean
+.PHONY: install test demo lint bench-kernels bench-step bench-data bench-startup clean
 
 install: $(STAMP)
 
@@ -26,7 +26,7 @@ test: install
 # The tiny pair end to end: a corpus and tokenizer from this machine's Python docstrings, a random
 # HF-format base, both arms loading it on 2 CPU FSDP ranks, then the paired comparison.
 DEMO_BASE := --model.flavor hf --model.hf_assets_path $(DEMO_DIR)/base --checkpoint.initial_load_in_hf \
-	--data.paths $(DEMO_DIR)/data/corpus
+	--data.mixture docstrings=0.7:$(DEMO_DIR)/data/corpus,code=0.3:$(DEMO_DIR)/data/code
 
 demo: install
 	rm -rf $(DEMO_DIR)
@@ -53,6 +53,11 @@ bench-step:
 # CPU: the parquet loader's tokens/s per rank on shards of real text.
 bench-data: install
 	$(PY) -m benchmarks.bench_data
+
+# CPU: start-up of 64 simulated ranks over 2,048 shards at 50 ms a request: every rank reading every
+# footer, rank 0 reading them and sharing, every rank (or rank 0) reading the shard index.
+bench-startup: install
+	$(PY) -m benchmarks.bench_startup $(ARGS)
 
 lint: install
 	$(PY) -m ruff check .

@@ -9,6 +9,15 @@ class DataConfig:
     """Parquet shards: globs or paths, local or fsspec URLs (s3://, gs://). Empty: training.dataset_path."""
     manifest: str = ""
     """A text file with one shard path per line, instead of `paths`."""
+    mixture: list[str] = field(default_factory=list)
+    """Weighted named sources instead of `paths`: entries 'name=weight:paths' (paths: globs or folders joined
+    with +, or @manifest.txt), e.g. ["web=0.7:/data/web", "math=0.3:/data/math/*.parquet"]; on the command
+    line comma-separated: --data.mixture web=0.7:/data/web,math=0.3:/data/math. Each window
+    comes from one source, picked by a low-discrepancy sequence of (seed, stream, window): shares follow the
+    weights batch by batch; each source needs at least num_streams shards."""
+    on_source_exhausted: str = "repeat"
+    """A source read to its end: 'repeat' starts its next epoch (re-shuffled; logged, counted as
+    data/mixture/<name>/epochs); 'stop' also ends the run at the next log step, with a checkpoint."""
     text_column: str = "text"
     source_column: str = ""
     """Column with each document's source tag, for per-source token counters (empty: none)."""
@@ -23,7 +32,12 @@ class DataConfig:
     validation_fraction: float = 0.0
     """Documents held out for validation by a hash of their text (0: none)."""
     validation_paths: list[str] = field(default_factory=list)
-    """Named validation shards (instead of, or besides, the held-out fraction)."""
+    """Validation shards, the set named 'val' (instead of the held-out fraction)."""
+    validation_sets: list[str] = field(default_factory=list)
+    """Named validation sets, each logged as val/<name>/ce and val/<name>/ce_ema: entries 'name:paths'
+    (globs or folders joined with +, or @manifest.txt), or 'name:heldout=SOURCE' (the documents of mixture
+    source SOURCE held out by validation_fraction). Empty: one set 'val' (validation_paths, or the
+    held-out fraction of every source)."""
     tokenize_batch: int = 256
     """Documents tokenised per call."""
     max_document_tokens: int = 0
@@ -31,10 +45,19 @@ class DataConfig:
     (truncated_docs, truncated_tokens) and logged, naming shard and row (the first 10 in a process,
     then the 100th, 1000th, ...); 0: no cap. Uncapped, a long document costs nothing extra per batch."""
     check_shards: bool = True
-    """Read every shard's footer at start-up, on every rank: a bad shard then stops all ranks at
-    once (or is skipped everywhere) instead of one rank failing mid-run while the others wait."""
+    """Check every shard's schema at start-up, once per job (rank 0, from the shard index `_index.json`
+    beside the shards where there is one, else reading the footers in parallel) and shared with every
+    rank: a bad shard then stops all ranks at once (or is skipped everywhere)."""
+    bos: str = "auto"
+    """A begin-of-text token before each document: 'auto' as the tokenizer's own template does (Marin-8B's
+    Llama-3 tokenizer prepends <|begin_of_text|>, and Marin's pre-training documents start with it),
+    'always' (the tokenizer's bos token; an error without one), 'never'. Documents always end with eos."""
 
     def validate(self) -> None:
+        if self.on_source_exhausted not in ("repeat", "stop"):
+            raise ValueError(f"[data] on_source_exhausted = {self.on_source_exhausted!r} must be 'repeat' or 'stop'")
+        if self.bos not in ("auto", "always", "never"):
+            raise ValueError(f"[data] bos = {self.bos!r} must be 'auto', 'always' or 'never'")
         if self.on_bad_shard not in ("error", "skip"):
             raise ValueError(f"[data] on_bad_shard = {self.on_bad_shard!r} must be 'error' or 'skip'")
         if self.num_streams <= 0:

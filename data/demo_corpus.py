@@ -1,9 +1,10 @@
 """Build the demo corpus and tokenizer that `make demo` and the CPU tests train on.
 
-The corpus is the long docstrings of CPython's standard library (PSF licence):
-real English prose and code, about 1.2 MB, with no download. The outputs are
-committed under `assets/tiny/`, so every machine trains on the same bytes
-whatever its Python version; run this module only to rebuild them:
+Two sources from CPython's standard library (PSF licence), with no download: `corpus/`, its long
+docstrings (English prose, about 1.2 MB; the tokenizer is trained on these), and `code/`, the
+source of its short functions (about 0.6 MB), so the demo trains on a two-source mixture. The
+outputs are committed under `assets/tiny/`, so every machine trains on the same bytes whatever
+its Python version; run this module only to rebuild them:
 
     python -m data.demo_corpus assets/tiny
 """
@@ -49,6 +50,43 @@ def stdlib_docstrings(min_chars: int = 200) -> list[tuple[str, str]]:
     return docs
 
 
+def stdlib_functions(min_chars: int = 300, max_chars: int = 1500, limit: int = 600_000) -> list[tuple[str, str]]:
+    """(source code, module) of the standard library's functions of min..max characters, in file
+    order, up to `limit` characters in all."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out: list[tuple[str, str]] = []
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            path = Path(dirpath) / name
+            try:
+                text = path.read_text(encoding="utf-8")
+                tree = ast.parse(text)
+            except (SyntaxError, UnicodeDecodeError):
+                continue
+            module = path.relative_to(root).parts[0].removesuffix(".py")
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    code = ast.get_source_segment(text, node)
+                    if code and min_chars <= len(code) <= max_chars:
+                        out.append((code, module))
+                        total += len(code)
+                        if total >= limit:
+                            return out
+    return out
+
+
+def write_shards(folder: Path, docs: list[tuple[str, str]], num_shards: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(num_shards):
+        part = docs[i::num_shards]
+        table = pa.table({"text": [t for t, _ in part], "source": [s for _, s in part]})
+        pq.write_table(table, folder / f"shard-{i:05d}.parquet", row_group_size=128)
+
+
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     """Byte-level BPE with Llama-3-style special tokens, so any text encodes."""
     tok = Tokenizer(models.BPE())
@@ -66,17 +104,17 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 
 def build(out_dir: Path, num_shards: int = 4, vocab_size: int = 2048) -> None:
     docs = stdlib_docstrings()
-    shard_dir = out_dir / "corpus"
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    for i in range(num_shards):
-        part = docs[i::num_shards]
-        table = pa.table({"text": [t for t, _ in part], "source": [s for _, s in part]})
-        pq.write_table(table, shard_dir / f"shard-{i:05d}.parquet", row_group_size=128)
+    write_shards(out_dir / "corpus", docs, num_shards)
+    code = stdlib_functions()
+    write_shards(out_dir / "code", code, num_shards)
     tok = train_tokenizer([t for t, _ in docs], vocab_size)
     tok.save(str(out_dir / "tokenizer.json"))
     config = {"bos_token": BOS, "eos_token": EOS, "add_bos_token": True, "add_eos_token": False}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    print(f"{len(docs)} documents in {num_shards} shards, vocab {tok.get_vocab_size()}, in {out_dir}")
+    print(
+        f"{len(docs)} docstrings and {len(code)} functions, {num_shards} shards each, vocab {tok.get_vocab_size()}, "
+        f"in {out_dir}"
+    )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Each data-parallel rank owns the logical streams s with s % dp_world == dp_rank
 and takes its k-th batch from its (k mod n)-th stream, k counting batches from
-the start of the run. Loader workers split a rank's streams, and every batch
+the start of the run. A stream reads every source of the mixture (data/mixture.py;
+`[data] paths` is a mixture of one source). Loader workers split a rank's streams, and every batch
 carries a copy of its stream's state, so the main process always knows the exact
 state of each stream after the last batch it delivered: the checkpointed state is
 the same with 0 or 8 workers, and a run may resume on another number of ranks (each
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,23 +29,54 @@ from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 from torchtitan.config import JobConfig
 
 from data.config import DataConfig
-from data.shards import NoDataError, Scan, check_shards, held_out, list_shards, name_paths
-from data.stream import COUNTERS, PackedStream, new_state, state_from_json, state_to_json
+from data.index import startup_shards
+from data.mixture import (
+    MixedStream,
+    Source,
+    ValidationSet,
+    mixed_state_from_json,
+    mixed_state_to_json,
+    new_mixed_state,
+    parse_mixture,
+    parse_validation_sets,
+)
+from data.shards import NoDataError, Scan, ShardInfo, held_out, list_shards, name_paths
+from data.stream import COUNTERS, PackedStream
 
 logger = logging.getLogger(__name__)
 
 
 class Encoder:
-    """Batched tokenisation with the base checkpoint's tokenizer.json; picklable for workers."""
+    """Batched tokenisation with the base checkpoint's tokenizer.json; picklable for workers.
 
-    def __init__(self, tokenizer: HuggingFaceTokenizer):
+    Documents are [bos] text (the stream appends eos): with `bos='auto'` the bos token goes first
+    where the tokenizer's own template puts one (Llama-3's, so Marin-8B's, does)."""
+
+    def __init__(self, tokenizer: HuggingFaceTokenizer, bos: str = "auto"):
         self.tokenizer = tokenizer.tokenizer
         if tokenizer.eos_id is None:
             raise ValueError("the tokenizer has no end-of-text token (tokenizer_config.json eos_token)")
         self.eos_id = tokenizer.eos_id
+        self.bos_id = _bos_id(tokenizer, bos)
 
     def __call__(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        if self.bos_id is None:
+            return [e.ids for e in encoded]
+        return [[self.bos_id, *e.ids] for e in encoded]
+
+
+def _bos_id(tokenizer: HuggingFaceTokenizer, bos: str) -> int | None:
+    if bos == "never":
+        return None
+    if bos == "always":
+        if tokenizer.bos_id is None:
+            raise ValueError("[data] bos = 'always', but the tokenizer has no bos token (tokenizer_config.json)")
+        return tokenizer.bos_id
+    if bos != "auto":
+        raise ValueError(f"[data] bos = {bos!r} must be 'auto', 'always' or 'never'")
+    first = tokenizer.tokenizer.encode("a", add_special_tokens=True).ids[:1]
+    return tokenizer.bos_id if tokenizer.bos_id is not None and first == [tokenizer.bos_id] else None
 
 
 class _TrainingKeep:
@@ -63,7 +96,8 @@ class _RankStreams(IterableDataset):
     """Batches of one rank, from batch `start` on; each worker serves a fixed subset of the streams."""
 
     def __init__(self, loader: ParquetDataLoader, states: dict[int, dict[str, Any]], start: int):
-        self.cfg, self.shards, self.encode = loader.cfg, loader.shards, loader.encode
+        self.cfg, self.sources, self.shards, self.encode = loader.cfg, loader.sources, loader.shards, loader.encode
+        self.infos = loader.infos
         self.local, self.batch, self.seq_len = loader.local, loader.batch, loader.seq_len
         self.states, self.start = states, start
 
@@ -74,8 +108,16 @@ class _RankStreams(IterableDataset):
         keep = _TrainingKeep(self.cfg.validation_fraction)
         mine = [i for i in range(n) if i % workers == (self.start + worker) % workers]
         streams = {
-            self.local[i]: PackedStream(
-                self.local[i], self.shards, self.cfg, self.encode, self.encode.eos_id, self.states[self.local[i]], keep
+            self.local[i]: MixedStream(
+                self.local[i],
+                self.sources,
+                self.shards,
+                self.cfg,
+                self.encode,
+                self.encode.eos_id,
+                self.states[self.local[i]],
+                keep,
+                self.infos,
             )
             for i in mine
         }
@@ -94,14 +136,17 @@ class ParquetDataLoader(BaseDataLoader):
     def __init__(
         self,
         cfg: DataConfig,
-        shards: list[str],
+        shards: list[str] | dict[str, list[str]],
         encode: Encoder,
         seq_len: int,
         batch: int,
         dp_rank: int,
         dp_world: int,
         num_workers: int = 0,
+        infos: dict[str, ShardInfo] | None = None,
     ):
+        """`shards`: each mixture source's usable shards by name (a list: the one source of `paths`);
+        `infos`: their row groups from the start-up check (`source_shards`), so no stream reads a footer."""
         cfg.validate()
         if cfg.num_streams % dp_world:
             raise ValueError(f"[data] num_streams = {cfg.num_streams} must be a multiple of the {dp_world} DP ranks")
@@ -111,10 +156,13 @@ class ParquetDataLoader(BaseDataLoader):
                 f"[data] num_streams = {cfg.num_streams}: each of the {dp_world} ranks gets {per_rank} streams, "
                 f"which its {num_workers} loader workers must divide"
             )
-        self.cfg, self.shards, self.encode = cfg, shards, encode
+        self.sources: list[Source] = parse_mixture(cfg)
+        self.shards = _source_shards(self.sources, shards, cfg.num_streams)
+        self.cfg, self.encode, self.infos = cfg, encode, infos or {}
         self.seq_len, self.batch, self.num_workers = seq_len, batch, num_workers
         self.local = [s for s in range(cfg.num_streams) if s % dp_world == dp_rank]
-        self.states = {s: new_state() for s in self.local}
+        self.names = [src.name for src in self.sources]
+        self.states = {s: new_mixed_state(self.names) for s in self.local}
         self.batches = 0
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
@@ -134,7 +182,7 @@ class ParquetDataLoader(BaseDataLoader):
         """{"batches": int, "stream_00000": JSON str, ...}: one entry per stream, keyed by its id, so
         any number of ranks can load them back; each a few hundred bytes whatever the documents."""
         state: dict[str, Any] = {"batches": self.batches}
-        state.update({f"stream_{s:05d}": state_to_json(self.states[s]) for s in self.local})
+        state.update({f"stream_{s:05d}": mixed_state_to_json(self.states[s]) for s in self.local})
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -147,15 +195,21 @@ class ParquetDataLoader(BaseDataLoader):
             key = f"stream_{s:05d}"
             if key not in state_dict:
                 raise ValueError(f"dataloader.{key}: missing from the checkpoint (was num_streams changed?)")
-            states[s] = state_from_json(f"dataloader.{key}", state_dict[key])
+            states[s] = mixed_state_from_json(f"dataloader.{key}", state_dict[key], self.names)
         self.batches, self.states = batches, states
 
     def counters(self) -> dict[str, int]:
-        """This rank's cumulative document counters and tokens per source."""
-        out = {name: sum(st[name] for st in self.states.values()) for name in COUNTERS}
-        for st in self.states.values():
-            for source, n in st["source_tokens"].items():
+        """This rank's cumulative counters: documents, tokens per source-column tag (`tokens/<tag>`), and per
+        mixture source the tokens delivered and the epochs its streams have begun after their first
+        (`mixture/<name>/tokens`, `mixture/<name>/epochs`)."""
+        subs = [sub for st in self.states.values() for sub in st["sources"].values()]
+        out = {name: sum(sub[name] for sub in subs) for name in COUNTERS}
+        for sub in subs:
+            for source, n in sub["source_tokens"].items():
                 out[f"tokens/{source}"] = out.get(f"tokens/{source}", 0) + n
+        for name in self.names:
+            out[f"mixture/{name}/tokens"] = sum(st["tokens"][name] for st in self.states.values())
+            out[f"mixture/{name}/epochs"] = sum(st["sources"][name]["epoch"] for st in self.states.values())
         return out
 
 
@@ -167,24 +221,42 @@ class ValidationLoader:
     """
 
     def __init__(
-        self, cfg: DataConfig, shards: list[str], encode: Encoder, seq_len: int, batch: int, dp_rank: int, dp_world: int
+        self,
+        cfg: DataConfig,
+        shards: list[str],
+        encode: Encoder,
+        seq_len: int,
+        batch: int,
+        dp_rank: int,
+        dp_world: int,
+        vset: ValidationSet | None = None,
     ):
-        named = list_shards(cfg.validation_paths) if cfg.validation_paths else []
-        if not named and cfg.validation_fraction <= 0:
-            raise ValueError("[data] no validation set: set validation_paths or validation_fraction")
-        self.source = named or shards
+        """`vset`: the set (default: the first of `[data] validation_sets`, or 'val'); `shards`: the training
+        shards its documents are held out of, when it is a held-out set."""
+        vset = vset or parse_validation_sets(cfg)[0]
+        self.name = vset.name
+        self.source = shards if vset.heldout is not None else list_shards(list(vset.paths), vset.manifest)
         self.shards = self.source[dp_rank::dp_world]
-        self.keep = (lambda text: True) if named else _HeldOutKeep(cfg.validation_fraction)
+        self.keep = (lambda text: True) if vset.heldout is None else _HeldOutKeep(cfg.validation_fraction)
         self.cfg, self.encode, self.seq_len, self.batch = cfg, encode, seq_len, batch
 
     def _stream(self, shards: list[str]) -> PackedStream:
         return PackedStream(0, shards, self.cfg, self.encode, self.encode.eos_id, keep=self.keep, validation=True)
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        """The set's batches, read lazily: a caller that stops (the validator, once it has its
+        validation.steps batches) stops the scan. A held-out scan reads every row of the training
+        shards to find its documents, so its progress is logged every 10 s."""
         stream = self._stream(self.shards)
-        yielded = False
+        yielded, began, told = 0, time.monotonic(), time.monotonic()
         while (batch := stream.next_batch(self.batch, self.seq_len)) is not None:
-            yielded = True
+            yielded += 1
+            if time.monotonic() - told > 10:
+                told = time.monotonic()
+                logger.info(
+                    f"[data] validation set {self.name!r}: {yielded} batches after {told - began:.0f} s, "
+                    f"{stream.seen.rows:,} rows read, {stream.seen.documents:,} of them in the set"
+                )
             yield {"input": batch[0]}, batch[1]
         if not yielded:
             self._no_window(stream.seen)
@@ -205,9 +277,50 @@ class ValidationLoader:
         )
 
 
+def _source_shards(
+    sources: list[Source], shards: list[str] | dict[str, list[str]], streams: int
+) -> dict[str, list[str]]:
+    names = [src.name for src in sources]
+    if isinstance(shards, list):
+        if len(names) != 1:
+            raise ValueError(f"[data] a mixture of {len(names)} sources needs shards by source name ({names})")
+        shards = {names[0]: shards}
+    if sorted(shards) != sorted(names):
+        raise ValueError(f"[data] shards given for sources {sorted(shards)}, the mixture has {sorted(names)}")
+    for name in names:
+        if len(shards[name]) < streams:
+            raise ValueError(
+                f"[data] source {name!r} has {len(shards[name])} usable shards ({name_paths(shards[name])}), fewer "
+                f"than num_streams = {streams}: each stream reads its own shards of every source; write more "
+                "shards (python -m data.prepare --shards N) or lower num_streams"
+            )
+    return {name: list(shards[name]) for name in names}
+
+
+def source_infos(cfg: DataConfig) -> tuple[dict[str, list[str]], dict[str, ShardInfo]]:
+    """Every mixture source's usable shards and, with `check_shards`, their row groups: listed and
+    checked once per job (rank 0, from the shard index where there is one) and shared with every
+    rank; every rank must call it."""
+    shards, infos = {}, {}
+    for src in parse_mixture(cfg):
+        if cfg.check_shards:
+            found = startup_shards(list(src.paths), src.manifest, cfg.text_column, cfg.source_column, cfg.on_bad_shard)
+            shards[src.name] = list(found)
+            infos.update(found)
+        else:
+            shards[src.name] = list_shards(list(src.paths), src.manifest)
+        logger.info(f"[data] source {src.name!r} (weight {src.weight:g}): {len(shards[src.name])} shards")
+    return shards, infos
+
+
+def source_shards(cfg: DataConfig) -> dict[str, list[str]]:
+    """`source_infos`' shards alone."""
+    return source_infos(cfg)[0]
+
+
 def data_config(job_config: JobConfig) -> DataConfig:
     cfg = copy.deepcopy(job_config.data)
-    if not cfg.paths and not cfg.manifest:
+    if not cfg.paths and not cfg.manifest and not cfg.mixture:
         if not job_config.training.dataset_path:
             raise ValueError("[data] paths, [data] manifest or training.dataset_path must name the shards")
         cfg.paths = [job_config.training.dataset_path]
@@ -219,14 +332,20 @@ def build_parquet_dataloader(
 ) -> ParquetDataLoader:
     """The `TrainSpec` dataloader builder."""
     cfg = data_config(job_config)
-    shards = list_shards(cfg.paths, cfg.manifest)
-    if cfg.check_shards:
-        shards = check_shards(shards, cfg.text_column, cfg.source_column, cfg.on_bad_shard)
     if not isinstance(tokenizer, HuggingFaceTokenizer):
         raise TypeError("the parquet loader needs the HF tokenizer of model.hf_assets_path")
     t = job_config.training
+    shards, infos = source_infos(cfg)
     return ParquetDataLoader(
-        cfg, shards, Encoder(tokenizer), t.seq_len, t.local_batch_size, dp_rank, dp_world_size, t.dataloader.num_workers
+        cfg,
+        shards,
+        Encoder(tokenizer, cfg.bos),
+        t.seq_len,
+        t.local_batch_size,
+        dp_rank,
+        dp_world_size,
+        t.dataloader.num_workers,
+        infos,
     )
 
 
@@ -242,3 +361,12 @@ def gather_counters(loader: ParquetDataLoader) -> dict[str, int]:
         for k, v in counts.items():
             total[k] = total.get(k, 0) + v
     return total
+
+
+def mixture_shares(counters: dict[str, int]) -> dict[str, float]:
+    """data/mixture/<name>/share: each source's share of the tokens delivered so far (with a mixture)."""
+    tokens = {k.split("/")[1]: v for k, v in counters.items() if k.startswith("mixture/") and k.endswith("/tokens")}
+    total = sum(tokens.values())
+    if len(tokens) < 2 or not total:
+        return {}
+    return {f"data/mixture/{name}/share": n / total for name, n in tokens.items()}

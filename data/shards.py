@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -70,27 +70,76 @@ def is_text_type(kind: pa.DataType) -> bool:
     )
 
 
+# Text types as str() writes them (how the shard index stores column types); a dictionary's values count.
+TEXT_TYPE_NAMES = ("string", "large_string", "string_view", "null")
+_DICTIONARY_NAME = re.compile(r"dictionary<values=(\w+), indices=\w+, ordered=[01]>")
+
+
+def is_text_type_name(name: str) -> bool:
+    """`is_text_type` for a type given by its str(): the index checks columns without reading a footer."""
+    match = _DICTIONARY_NAME.fullmatch(name)
+    return (match.group(1) if match else name) in TEXT_TYPE_NAMES
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     path: str
     row_groups: tuple[int, ...]  # rows per row group
 
 
-def shard_info(path: str, text_column: str, source_column: str = "") -> ShardInfo:
-    """Row-group sizes after checking the schema; a BadShardError names the file and what is wrong."""
+@dataclass(frozen=True)
+class Footer:
+    """A footer's facts that start-up needs, independent of the columns a run reads."""
+
+    row_groups: tuple[int, ...]  # rows per row group
+    columns: tuple[tuple[str, str], ...]  # (name, Arrow type as str()) in schema order
+
+
+def read_footer(path: str) -> Footer:
+    """Row-group sizes and Arrow columns of one shard; an unreadable file is a BadShardError naming it."""
     try:
         with fsspec.open(path, "rb") as f:
             parquet = pq.ParquetFile(f)
             meta, schema = parquet.metadata, parquet.schema_arrow
     except Exception as e:  # pyarrow raises several types for unreadable files
         raise BadShardError(f"{path}: unreadable parquet ({type(e).__name__}: {e})") from e
+    row_groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
+    return Footer(row_groups, tuple((field.name, str(field.type)) for field in schema))
+
+
+def check_columns(path: str, columns: Iterable[tuple[str, str]], text_column: str, source_column: str = "") -> None:
+    """The text (and source) columns exist and hold strings; a BadShardError names the file and column."""
+    columns = list(columns)
+    kinds = dict(columns)
     for column in filter(None, (text_column, source_column)):
-        if column not in schema.names:
-            raise BadShardError(f"{path}: no column {column!r} (columns: {', '.join(schema.names)})")
-        kind = schema.field(column).type
-        if not is_text_type(kind):
-            raise BadShardError(f"{path}: column {column!r} holds {kind}, not strings (row 0 on)")
-    return ShardInfo(path, tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups)))
+        if column not in kinds:
+            names = ", ".join(name for name, _ in columns)
+            raise BadShardError(f"{path}: no column {column!r} (columns: {names})")
+        if not is_text_type_name(kinds[column]):
+            raise BadShardError(f"{path}: column {column!r} holds {kinds[column]}, not strings (row 0 on)")
+
+
+def shard_info(path: str, text_column: str, source_column: str = "") -> ShardInfo:
+    """Row-group sizes after checking the schema; a BadShardError names the file and what is wrong."""
+    footer = read_footer(path)
+    check_columns(path, footer.columns, text_column, source_column)
+    return ShardInfo(path, footer.row_groups)
+
+
+def settle_bad_shards(shards: list[str], problems: list[BadShardError | None], on_bad_shard: str) -> list[str]:
+    """The shards without a problem; with problems, the first is raised, or (skip) each is logged and dropped.
+
+    Skipping every shard is an error (NoDataError naming them), not a run over nothing."""
+    bad = [(path, err) for path, err in zip(shards, problems, strict=True) if err is not None]
+    if bad and on_bad_shard != "skip":
+        raise bad[0][1]
+    for _, err in bad:
+        logger.warning(f"[data] skipping shard: {err}")
+    if bad and len(bad) == len(shards):
+        raise NoDataError(f"[data] every shard is unusable, none left: {name_paths(shards)} (first: {bad[0][1]})")
+    if bad:
+        logger.warning(f"[data] skipped {len(bad)} of {len(shards)} shards at start-up")
+    return [path for path, err in zip(shards, problems, strict=True) if err is None]
 
 
 def check_shards(shards: list[str], text_column: str, source_column: str, on_bad_shard: str) -> list[str]:
@@ -107,16 +156,7 @@ def check_shards(shards: list[str], text_column: str, source_column: str, on_bad
 
     with ThreadPoolExecutor(max_workers=16) as pool:
         problems = list(pool.map(check, shards))
-    bad = [(path, err) for path, err in zip(shards, problems, strict=True) if err is not None]
-    if bad and on_bad_shard != "skip":
-        raise bad[0][1]
-    for _, err in bad:
-        logger.warning(f"[data] skipping shard: {err}")
-    if bad and len(bad) == len(shards):
-        raise NoDataError(f"[data] every shard is unusable, none left: {name_paths(shards)} (first: {bad[0][1]})")
-    if bad:
-        logger.warning(f"[data] skipped {len(bad)} of {len(shards)} shards at start-up")
-    return [path for path, err in zip(shards, problems, strict=True) if err is None]
+    return settle_bad_shards(shards, problems, on_bad_shard)
 
 
 def _texts(table: pa.Table, column: str, path: str, index: int) -> list[str | None]:

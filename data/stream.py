@@ -30,7 +30,16 @@ from typing import Any, NamedTuple
 import torch
 
 from data.config import DataConfig
-from data.shards import BadShardError, NoDataError, Scan, find_documents, name_paths, read_row_group, shard_info
+from data.shards import (
+    BadShardError,
+    NoDataError,
+    Scan,
+    ShardInfo,
+    find_documents,
+    name_paths,
+    read_row_group,
+    shard_info,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -151,10 +160,13 @@ class PackedStream:
         state: dict[str, Any] | None = None,
         keep: Callable[[str], bool] = lambda text: True,
         validation: bool = False,
+        infos: dict[str, ShardInfo] | None = None,
     ):
         """`keep` selects documents (the rest are counted as held out); `validation` makes the
-        stream finite and sequential over `shards` (no permutation, one pass)."""
+        stream finite and sequential over `shards` (no permutation, one pass); `infos`: the row
+        groups the start-up check found (else each shard's footer is read when the stream gets to it)."""
         self.stream, self.shards, self.cfg = stream, shards, cfg
+        self.infos = infos or {}
         self.encode, self.eos_id, self.keep, self.validation = encode, eos_id, keep, validation
         self.state = copy.deepcopy(state) if state is not None else new_state()
         self.keys = shard_keys(shards)
@@ -184,7 +196,8 @@ class PackedStream:
     def _row_groups(self, path: str, epoch: int) -> list[tuple[int, int]]:
         """(row group, rows) in this epoch's order; checks the shard's schema on first use."""
         if (path, epoch) not in self._groups:
-            sizes = shard_info(path, self.cfg.text_column, self.cfg.source_column).row_groups
+            known = self.infos.get(path)
+            sizes = (known or shard_info(path, self.cfg.text_column, self.cfg.source_column)).row_groups
             order = list(range(len(sizes)))
             if not self.validation:
                 order = _permutation(len(sizes), f"rg:{self.cfg.seed}:{epoch}:{self.keys[path]}")

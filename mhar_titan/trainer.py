@@ -20,7 +20,7 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.train import Trainer
 
-from data.loader import gather_counters
+from data.loader import gather_counters, mixture_shares
 from mhar_titan import cpu
 from mhar_titan.components import fingerprint
 from mhar_titan.components.checkpoint import CPTCheckpointManager, complete_steps
@@ -28,6 +28,8 @@ from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch
 from mhar_titan.components.routing_stats import average_routing_stats, name_routing_stats
 from mhar_titan.components.step_metrics import MemoryPhases, StepClock, StepReadback, flush, throughput
+from mhar_titan.components.tensorboard_scalars import PRIMARY_TAGS, set_tags
+from mhar_titan.components.validate import write_validation_batches
 from mhar_titan.config import parse_config
 from mhar_titan.train_spec import train_spec
 
@@ -57,6 +59,7 @@ class CPTTrainer(Trainer):
         self.model_parts[0].register_forward_hook(self._after_forward)
         self.preemption = PreemptionWatch(job_config.job.dump_folder)
         self.stop_reason: str | None = None
+        self.exhausted_sources: list[str] = []  # with [data] on_source_exhausted = "stop": the run ends
         self._asked: str | None = None
         if torch.distributed.get_rank() == 0:
             self.preemption.clear_stale_marker()
@@ -165,6 +168,13 @@ class CPTTrainer(Trainer):
                     )
                 if self.step < cfg.training.steps and self.stop_reason:
                     self._stop_for_requeue(self.stop_reason)
+                if self.exhausted_sources and self.step < cfg.training.steps:
+                    self.checkpointer.save_now(self.step)
+                    logger.warning(
+                        f"step {self.step}: mixture source(s) {', '.join(self.exhausted_sources)} read to their end "
+                        "with [data] on_source_exhausted = 'stop': the run stops here, with a checkpoint"
+                    )
+                    break
                 if profiler:
                     profiler.step()
                 if memory:
@@ -332,7 +342,13 @@ class CPTTrainer(Trainer):
 
     def _write_metrics(self, loss_v: float, loss_max: float, grad_norm: float, part_sums: list[float]) -> None:
         mp = self.metrics_processor
-        metrics = {f"data/{k}": v for k, v in gather_counters(self.dataloader).items()}
+        counters = gather_counters(self.dataloader)
+        metrics = {f"data/{k}": v for k, v in counters.items()}
+        metrics.update(mixture_shares(counters))
+        if self.job_config.data.on_source_exhausted == "stop":  # the same totals on every rank: all stop at once
+            self.exhausted_sources = [
+                k.split("/")[1] for k, v in counters.items() if k.startswith("mixture/") and k.endswith("/epochs") and v
+            ]
         metrics.update(
             {
                 "train/loss": loss_v,
@@ -359,33 +375,28 @@ class CPTTrainer(Trainer):
         )
 
     def validate(self) -> None:
-        """val/ce and val/ce_ema to TensorBoard; every batch's CE to validation/step-N.json for paired comparison."""
+        """Per validation set val/<name>/ce and val/<name>/ce_ema to TensorBoard (the first set also as val/ce
+        and val/ce_ema); every batch's CE to validation/step-N.json for paired comparison."""
         began = time.perf_counter()
-        metrics = {"val/ce": self.validator.validate(self.model_parts, self.step)}
-        batches = {"raw": self.validator.per_batch}
+        values = {"raw": self.validator.validate(self.model_parts, self.step)}
+        batches = {"raw": dict(self.validator.per_batch)}
         if self.ema is not None:
             with self.ema.swapped_in():
-                metrics["val/ce_ema"] = self.validator.validate(self.model_parts, self.step)
-            batches["ema"] = self.validator.per_batch
+                values["ema"] = self.validator.validate(self.model_parts, self.step)
+            batches["ema"] = dict(self.validator.per_batch)
+        first = self.validator.names[0]
+        metrics = {PRIMARY_TAGS[kind]: v[first] for kind, v in values.items()}
+        for name in self.validator.names:
+            metrics.update({set_tags(name)[kind]: v[name] for kind, v in values.items()})
         self.metrics_processor.logger.log(metrics, self.step)
         flush(self.metrics_processor)
         if torch.distributed.get_rank() == 0:
-            self._write_validation_batches(batches)
+            folder = os.path.join(self.job_config.job.dump_folder, "validation")
+            write_validation_batches(folder, self.step, batches, self.validator.names[0])
         spent = time.perf_counter() - began
         self.metrics_processor.time_last_log += spent  # keep validation out of the training throughput
         self.clock.pause(spent)
         logger.info(f"validation at step {self.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-
-    def _write_validation_batches(self, batches: dict[str, list[list[float]]]) -> None:
-        folder = os.path.join(self.job_config.job.dump_folder, "validation")
-        os.makedirs(folder, exist_ok=True)
-        record = {"step": self.step}
-        for which, rows in batches.items():
-            record[which] = {"ce_sum": [r[0] for r in rows], "tokens": [int(r[1]) for r in rows]}
-        path = os.path.join(folder, f"step-{self.step:08d}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(record, f)
-        os.replace(path + ".tmp", path)
 
     # -- checkpointed trainer state -------------------------------------------------------------
 

@@ -208,7 +208,8 @@ def test_counters_count_documents_sources_and_skips(corpus):
     folder, docs = corpus
     cfg = cfg_for(folder)
     ld = loader(cfg, 0, world=1)
-    batches = take_until(ld, lambda bs: all(st["epoch"] >= 1 for st in ld.states.values()))  # one epoch everywhere
+    # one epoch everywhere
+    batches = take_until(ld, lambda bs: all(st["sources"]["corpus"]["epoch"] >= 1 for st in ld.states.values()))
     counters = ld.counters()
     per_epoch_empty = sum(1 for v in docs.values() for t, _ in v if not t)
     assert counters["skipped_docs"] >= per_epoch_empty
@@ -267,24 +268,14 @@ def test_loader_settings_are_checked():
 
 
 def test_preview_prints_windows_and_source_statistics():
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "data.preview",
-            "configs/tiny_cpu.toml",
-            "--n",
-            "3",
-            "--json",
-            "--training.seq_len",
-            "32",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    lines = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [line["window"] for line in lines] == [0, 1, 2]
-    assert all(len(line["ids"]) == 33 for line in lines)
-    assert "tokens/" in out.stderr and "% of tokens" in out.stderr
+    cmd = [sys.executable, "-m", "data.preview", "configs/tiny_cpu.toml", "--training.seq_len", "32"]
+    out = subprocess.run([*cmd, "--n", "3", "--batches", "100", "--json"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    record = json.loads(out.stdout)
+    assert [w["window"] for w in record["windows"]] == [0, 1, 2] and all(len(w["ids"]) == 33 for w in record["windows"])
+    shares = record["source_shares"]
+    assert set(shares) == {"docstrings", "code"} and abs(shares["docstrings"] - 0.7) < 0.02, shares
+    assert record["batches"] == 100 and record["counters"]["mixture/code/tokens"] > 0
+    text = subprocess.run([*cmd[:4], "--n", "8"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "--- window 1" in text and "end of document" in text and "source docstrings:" in text
+    assert "% of tokens (weight 70.0%)" in text

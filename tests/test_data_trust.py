@@ -69,9 +69,9 @@ def test_resume_from_the_state_after_any_batch_continues_exactly(long_corpus, wo
     want, states = states_after_each_batch(loader(cfg, 1), n)
     got, states_w = states_after_each_batch(loader(cfg, 1, workers=workers), n)
     assert same(got, want) and states_w == states  # states do not depend on the loader workers
-    offsets = [json.loads(st[f"stream_{s:05d}"])["offset"] for st in states for s in (1, 3)]
+    offsets = [json.loads(st[f"stream_{s:05d}"])["sources"]["corpus"]["offset"] for st in states for s in (1, 3)]
     assert max(offsets) > 20 * WINDOW  # some states lie deep inside a long document
-    assert {json.loads(states[-1][f"stream_{s:05d}"])["epoch"] for s in (1, 3)} == {1}
+    assert {json.loads(states[-1][f"stream_{s:05d}"])["sources"]["corpus"]["epoch"] for s in (1, 3)} == {1}
     assert max(len(st[f"stream_{s:05d}"]) for st in states for s in (1, 3)) < 400  # constant size, no tokens
 
     cuts = range(n - 1) if workers == 0 else range(0, n - 1, 13)  # each resume with workers starts processes
@@ -111,6 +111,20 @@ def test_resume_on_one_rank_after_two_from_any_batch(long_corpus):
                 got[s] += b
 
 
+def _in_source(change):
+    """`change` applied to the state of the stream's one source ('corpus') inside the mixture state."""
+
+    def apply(v):
+        state = json.loads(v)
+        state["sources"]["corpus"] = change(state["sources"]["corpus"])
+        return json.dumps(state)
+
+    return apply
+
+
+SUB = "dataloader.stream_00000.sources.corpus"
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -118,13 +132,15 @@ def test_resume_on_one_rank_after_two_from_any_batch(long_corpus):
         (lambda v: "{not json", r"dataloader.stream_00000: not a JSON stream state"),
         (lambda v: 7, r"dataloader.stream_00000: not a JSON stream state \(a int, not a str\)"),
         (lambda v: "[1, 2]", r"dataloader.stream_00000: .*not an object"),
-        (lambda v: json.dumps({**json.loads(v), "buffer": [1, 2]}), r"unknown: \['buffer'\]"),
-        (lambda v: json.dumps({k: x for k, x in json.loads(v).items() if k != "row"}), r"missing: \['row'\]"),
-        (lambda v: json.dumps({**json.loads(v), "offset": 1.5}), r"dataloader.stream_00000.offset: 1.5"),
-        (lambda v: json.dumps({**json.loads(v), "docs": True}), r"dataloader.stream_00000.docs: True"),
-        (lambda v: json.dumps({**json.loads(v), "epoch": -1}), r"dataloader.stream_00000.epoch: -1"),
-        (lambda v: json.dumps({**json.loads(v), "source_tokens": {"web": "3"}}), r"source_tokens.web: '3'"),
-        (lambda v: json.dumps({**json.loads(v), "source_tokens": [3]}), r"stream_00000.source_tokens: \[3\]"),
+        (lambda v: json.dumps({**json.loads(v), "buffer": [1, 2]}), r"not a mixture stream state \(keys"),
+        (lambda v: json.dumps({**json.loads(v), "windows": -2}), r"dataloader.stream_00000.windows: -2"),
+        (_in_source(lambda st: {**st, "buffer": [1, 2]}), r"unknown: \['buffer'\]"),
+        (_in_source(lambda st: {k: x for k, x in st.items() if k != "row"}), r"missing: \['row'\]"),
+        (_in_source(lambda st: {**st, "offset": 1.5}), rf"{SUB}.offset: 1.5"),
+        (_in_source(lambda st: {**st, "docs": True}), rf"{SUB}.docs: True"),
+        (_in_source(lambda st: {**st, "epoch": -1}), rf"{SUB}.epoch: -1"),
+        (_in_source(lambda st: {**st, "source_tokens": {"web": "3"}}), r"source_tokens.web: '3'"),
+        (_in_source(lambda st: {**st, "source_tokens": [3]}), rf"{SUB}.source_tokens: \[3\]"),
     ],
 )
 def test_loader_state_is_json_and_anything_else_is_refused_naming_the_key(long_corpus, change, message):
@@ -243,7 +259,8 @@ def test_a_validation_set_without_a_window_is_an_error_on_every_rank(tmp_path, l
 
 def test_training_on_an_empty_corpus_stops_on_every_rank_naming_it(tmp_path):
     folder = empty_corpus(tmp_path / "nothing")
-    proc = torchrun(tmp_path / "run", "--data.paths", str(folder), "--training.steps", "2", check=False, timeout=120)
+    mixture = ("--data.mixture", f"docstrings=1:{folder},code=1:{folder}")  # the tiny config's source names
+    proc = torchrun(tmp_path / "run", *mixture, "--training.steps", "2", check=False, timeout=120)
     assert proc.returncode != 0
     log = proc.stdout + proc.stderr
     assert "NoDataError" in log and f"{folder / 'empty-0.parquet'}" in log
@@ -251,7 +268,8 @@ def test_training_on_an_empty_corpus_stops_on_every_rank_naming_it(tmp_path):
 
 def test_preview_of_an_empty_corpus_exits_with_an_error_naming_it(tmp_path):
     folder = empty_corpus(tmp_path / "nothing")
-    cmd = [sys.executable, "-m", "data.preview", "configs/tiny_cpu.toml", "--data.paths", str(folder)]
+    cmd = [sys.executable, "-m", "data.preview", "configs/tiny_cpu.toml"]
+    cmd += ["--data.mixture", f"docstrings=1:{folder},code=1:{folder}"]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "NoDataError" in out.stderr and str(folder / "empty-0.parquet") in out.stderr
@@ -321,9 +339,10 @@ def test_a_state_whose_head_document_is_gone_is_refused_naming_it(long_corpus):
     cfg = cfg_for(folder)
     ld = loader(cfg, 1)
     _, states = states_after_each_batch(ld, 30)
-    state = next(st for st in states if json.loads(st["stream_00001"])["offset"] > 0)
+    state = next(st for st in states if json.loads(st["stream_00001"])["sources"]["corpus"]["offset"] > 0)
     head = json.loads(state["stream_00001"])
+    head["sources"]["corpus"]["offset"] = 10**6
     resumed = loader(cfg, 1)
-    resumed.load_state_dict({**state, "stream_00001": json.dumps({**head, "offset": 10**6})})
+    resumed.load_state_dict({**state, "stream_00001": json.dumps(head)})
     with pytest.raises(ValueError, match=r"stream 1: the state's head \(epoch 0, .*shard-0\d.parquet, row group"):
         take(resumed, 2)

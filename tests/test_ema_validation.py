@@ -92,17 +92,18 @@ def validation_loader():
 
 def validator(loader, steps):
     job = SimpleNamespace(validation=SimpleNamespace(freq=5, steps=steps))
-    return FixedSetValidator(job, loader, SimpleNamespace(dp_enabled=False), torch.enable_grad, torch.no_grad())
+    return FixedSetValidator(job, [loader], SimpleNamespace(dp_enabled=False), torch.enable_grad, torch.no_grad())
 
 
 def test_validation_is_cross_entropy_only_and_the_same_every_time(validation_loader):
     model = tiny_model(seed=int(torch.randint(0, 2**31, ())))
     v = validator(validation_loader, steps=5)
-    first = v.validate([model], step=5)
-    assert v.validate([model], step=10) == first  # the same batches, the same weights: the same value
+    assert v.names == ["val"]  # one set: validation_fraction alone
+    first = v.validate([model], step=5)["val"]
+    assert v.validate([model], step=10) == {"val": first}  # the same batches, the same weights: the same value
 
     batches = list(validation_loader)[:5]
-    assert len(v.batches(torch.device("cpu"))) == len(batches) == 5
+    assert len(v.batches(validation_loader, torch.device("cpu"))) == len(batches) == 5
     with torch.no_grad():
         logits = torch.cat([model(b["input"]) for b, _ in batches]).flatten(0, 1)
         labels = torch.cat([lab for _, lab in batches]).flatten()

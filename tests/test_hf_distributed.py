@@ -14,8 +14,7 @@ from test_hf import hf_config
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from data.loader import ParquetDataLoader, data_config
-from data.shards import list_shards
+from data.loader import ParquetDataLoader, data_config, source_shards
 from mhar_titan.components.tensorboard_scalars import read_scalars
 from mhar_titan.config import parse_config
 from mhar_titan.hf.ledger import read_json
@@ -46,7 +45,7 @@ def first_step_loss(path) -> float:
     cfg = data_config(parse_config(["--job.config_file", str(REPO / "configs/tiny_cpu.toml")]))
     total, count = 0.0, 0
     for rank in range(2):
-        loader = ParquetDataLoader(cfg, list_shards(cfg.paths), encode, SEQ, BATCH, rank, 2)
+        loader = ParquetDataLoader(cfg, source_shards(cfg), encode, SEQ, BATCH, rank, 2)
         batch, labels = next(iter(loader))
         inputs = batch["input"]
         with torch.no_grad():

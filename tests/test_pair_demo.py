@@ -36,3 +36,10 @@ def test_pair_from_an_hf_base_starts_identical_and_the_report_says_so(tmp_path):
     report = (pair / "compare" / "report.md").read_text()
     assert "Step 1: |Δ| = **0.000e+00**" in report and "identical" in report
     assert (pair / "delta").is_dir() and list((pair / "control" / "validation").glob("step-*.json"))
+    # the tiny configs' two-source mixture and two validation sets: identical data in both arms, each set reported
+    assert result["data_identical"] and result["checks"]["data"]["tags"] >= 4
+    assert [s["name"] for s in result["validation_sets"]] == ["docstrings", "code"]
+    for vset in result["validation_sets"]:
+        assert [row["step"] for row in vset["rows"]] == [0, 2, 4]
+        assert vset["rows"][0]["raw"]["delta"]["delta"] == 0.0  # step 0: the same base on the same batches
+    assert "## Validation sets" in report and "### `code` (`val/code/ce`, `val/code/ce_ema`)" in report

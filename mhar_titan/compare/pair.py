@@ -105,9 +105,12 @@ def compare(
     val = cval.validation(cs, ms, cv, mv)
     base = cval.base_check(cs, ms, cv, mv)
     changes = {"control": cval.from_base(cs, cv), "mhar": cval.from_base(ms, mv)}
+    sets = cval.named_sets(cs, ms, cv, mv)
 
     checks = {tag: divergence(cs.get(tag), ms.get(tag), steps) for tag in CHECKED}
-    data_tags = sorted(t for t in set(cs) | set(ms) if t == "data/docs" or t.startswith("data/tokens/"))
+    data_tags = sorted(
+        t for t in set(cs) | set(ms) if t == "data/docs" or t.startswith(("data/tokens/", "data/mixture/"))
+    )
     data: dict[str, Any] = {"identical": True if data_tags else None}
     for tag in data_tags:
         d = divergence(cs.get(tag), ms.get(tag), steps)
@@ -162,6 +165,7 @@ def compare(
         "base": base,
         "base_identical": base["identical"],
         "from_base": changes,
+        "validation_sets": sets,
         "tokens_per_s": tps,
         "checks": checks,
         "lr_identical": checks["lr/decay"]["identical"],

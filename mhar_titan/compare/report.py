@@ -163,6 +163,7 @@ def report_text(r: dict[str, Any], control: str, mhar: str) -> str:
     lines += ["", "![training loss](train_loss.png)", "", "![delta training loss](delta_train_loss.png)", ""]
 
     lines += cval.report_lines(r, control, mhar)
+    lines += cval.named_set_lines(r.get("validation_sets", []), control, mhar)
 
     t = r["tokens_per_s"]
     lines += [

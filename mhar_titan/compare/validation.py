@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from mhar_titan.compare.stats import paired_ci
+from mhar_titan.components.tensorboard_scalars import set_tags
 
 Series = dict[int, float]
 
@@ -219,6 +220,79 @@ def report_lines(r: dict[str, Any], control: str, mhar: str) -> list[str]:
         if any(v["raw"] or v["ema"] for v in r["val"]):
             lines += ["![validation deltas](val_delta.png)", ""]
     return lines
+
+
+def _set_names(scalars: dict, val: dict) -> list[str]:
+    names: list[str] = []
+    for record in val.values():
+        names += [n for n in record.get("sets", {}) if n not in names]
+    for tag in sorted(scalars):
+        parts = tag.split("/")
+        if len(parts) == 3 and parts[0] == "val" and parts[2] == "ce" and parts[1] not in names:
+            names.append(parts[1])
+    return names
+
+
+def named_sets(cs: dict, ms: dict, cv: dict, mv: dict) -> list[dict[str, Any]]:
+    """Per named validation set (`[data] validation_sets`) both arms logged: each arm's CE, raw and EMA,
+    at every evaluation both ran, and MHAR − control with the paired CI over the set's batches."""
+    names = [n for n in _set_names(cs, cv) if n in _set_names(ms, mv)]
+    out = []
+    for name in names:
+        tags = set_tags(name)
+        rows = []
+        for step in sorted(_set_steps(cs, cv, name) & _set_steps(ms, mv, name)):
+            row: dict[str, Any] = {"step": step}
+            for kind in VAL_TAGS:
+                (c, c_tb), (m, m_tb) = _set_entry(cs, cv, name, step, kind), _set_entry(ms, mv, name, step, kind)
+                control = _agg(c) if c is not None else c_tb
+                mhar = _agg(m) if m is not None else m_tb
+                row[kind] = {"control": control, "mhar": mhar, "delta": val_delta(c, m, c_tb, m_tb)}
+            rows.append(row)
+        out.append({"name": name, "tags": tags, "rows": rows})
+    return out
+
+
+def _set_entry(scalars: dict, val: dict, name: str, step: int, kind: str) -> tuple[dict | None, float | None]:
+    return val.get(step, {}).get("sets", {}).get(name, {}).get(kind), scalars.get(set_tags(name)[kind], {}).get(step)
+
+
+def _set_steps(scalars: dict, val: dict, name: str) -> set[int]:
+    return {s for s, rec in val.items() if name in rec.get("sets", {})} | set(scalars.get(set_tags(name)["raw"], {}))
+
+
+def named_set_lines(sets: list[dict[str, Any]], control: str, mhar: str) -> list[str]:
+    """The report's "Validation sets" section: one table per named set."""
+    if not sets:
+        return []
+    lines = [
+        "## Validation sets",
+        "",
+        f"Each named set's cross-entropy (token-weighted over all its batches), `{control}` and `{mhar}`, and "
+        f"`{mhar}` − `{control}` with the paired 95% CI over the set's batches; step 0 is the base.",
+        "",
+    ]
+    for vset in sets:
+        lines += [
+            f"### `{vset['name']}` (`{vset['tags']['raw']}`, `{vset['tags']['ema']}`)",
+            "",
+            f"| step | {control} | {mhar} | Δ | 95% CI | {control} (EMA) | {mhar} (EMA) | Δ (EMA) | 95% CI (EMA) |",
+            "|---:|---:|---:|---:|---|---:|---:|---:|---|",
+        ]
+        for row in vset["rows"]:
+            cells = []
+            for kind in VAL_TAGS:
+                p = row[kind]
+                d = p["delta"]
+                cells += [_f6(p["control"]), _f6(p["mhar"])]
+                cells += [f"{d['delta']:+.3e}", _ci_text(d)[1]] if d else ["n/a", "n/a"]
+            lines.append(f"| {row['step']} | {' | '.join(cells)} |")
+        lines.append("")
+    return lines
+
+
+def _f6(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.6f}"
 
 
 def summary_lines(r: dict[str, Any]) -> list[str]:

@@ -4,8 +4,8 @@ Recorded as `<dump_folder>/fingerprint.json` once a job has checked (or started)
 in four groups:
 - model: the architecture and the `[mhar]` graft (not the routing backend, which computes the same op);
 - base: the weights a fresh start loads (path, and hashes of its config.json and weight index);
-- data: the shards after the start-up check (their paths below the corpus folder, hashed), the
-  order's seed and streams, the columns, the validation split;
+- data: the shards after the start-up check (their paths below the corpus folder, hashed; per
+  mixture source with its weight), the order's seed and streams, the columns, the validation sets;
 - schedule: optimizer and LR schedule settings, global batch and sequence length, z-loss, EMA.
 A job that would load one of the run's checkpoints compares its own fingerprint with the
 recorded one and refuses, listing every difference, unless `[checkpoint] allow_changes` names
@@ -24,6 +24,7 @@ from typing import Any
 
 from torchtitan.config import JobConfig
 
+from data.mixture import parse_mixture
 from data.stream import shard_keys
 
 FILE = "fingerprint.json"
@@ -95,12 +96,31 @@ def _safetensors_header_digest(path: str) -> str | None:
         return None
 
 
-def data_group(job_config: JobConfig, shards: list[str]) -> dict[str, Any]:
+def _shards_digest(shards: list[str]) -> str:
+    return _digest("\n".join(sorted(shard_keys(shards).values()) if shards else []).encode())
+
+
+def data_group(job_config: JobConfig, shards: list[str] | dict[str, list[str]]) -> dict[str, Any]:
+    """`shards`: the usable shards of each mixture source (a list: the one source of `[data] paths`).
+    Settings added after the first runs are recorded only where they differ from their defaults, so
+    the fingerprints of those runs still match."""
     cfg = job_config.data
-    keys = sorted(shard_keys(shards).values()) if shards else []
+    if isinstance(shards, dict) and not cfg.mixture:
+        (shards,) = shards.values()
+    optional: dict[str, Any] = {}
+    if isinstance(shards, dict):
+        weights = {src.name: src.weight for src in parse_mixture(cfg)}
+        optional["mixture"] = {
+            name: {"weight": weights[name], "shards": _shards_digest(paths), "num_shards": len(paths)}
+            for name, paths in shards.items()
+        }
+        shards = [path for paths in shards.values() for path in paths]
+    for key, default in (("on_source_exhausted", "repeat"), ("bos", "auto"), ("validation_sets", [])):
+        if getattr(cfg, key) != default:
+            optional[key] = getattr(cfg, key)
     return _plain(
         {
-            "shards": _digest("\n".join(keys).encode()),
+            "shards": _shards_digest(shards),
             "num_shards": len(shards),
             "seed": cfg.seed,
             "num_streams": cfg.num_streams,
@@ -109,6 +129,7 @@ def data_group(job_config: JobConfig, shards: list[str]) -> dict[str, Any]:
             "max_document_tokens": getattr(cfg, "max_document_tokens", 0),
             "validation_fraction": cfg.validation_fraction,
             "validation_paths": sorted(cfg.validation_paths),
+            **optional,
         }
     )
 

@@ -15,6 +15,15 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 LOSS_TAG = "train/loss"
+PRIMARY_TAGS = {"raw": "val/ce", "ema": "val/ce_ema"}  # the first validation set's, whatever its name
+
+
+def set_tags(name: str) -> dict[str, str]:
+    """TensorBoard tags of one named validation set, raw and EMA weights (the lone default set 'val':
+    `PRIMARY_TAGS`)."""
+    if name == "val":
+        return dict(PRIMARY_TAGS)
+    return {"raw": f"val/{name}/ce", "ema": f"val/{name}/ce_ema"}
 
 
 def event_files(run_dir: str | Path) -> list[Path]:

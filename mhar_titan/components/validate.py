@@ -1,16 +1,20 @@
-"""Validation over a fixed set: the same batches at every evaluation, cross-entropy only.
+"""Validation over fixed sets: the same batches at every evaluation, cross-entropy only.
 
 torchtitan's validator keeps one iterator across evaluations (each sees different
 batches) and reuses the training loss (z-loss included). Here every evaluation runs
-the same first `validation.steps` batches of each rank (all of them with -1), every
-rank runs the same number of batches (FSDP forwards are collective), and the value
-is the token-weighted cross-entropy over all ranks.
+the same first `validation.steps` batches of each rank (all of them with -1) of every
+named set (`[data] validation_sets`), every rank runs the same number of batches (FSDP
+forwards are collective), and each set's value is the token-weighted cross-entropy over
+all ranks.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +26,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
 from data.loader import Encoder, ValidationLoader, data_config
+from data.mixture import parse_mixture, parse_validation_sets
 from data.shards import list_shards
 from mhar_titan.components.loss import cross_entropy_sum
 
@@ -34,16 +39,21 @@ class FixedSetValidator:
     def __init__(
         self,
         job_config: JobConfig,
-        loader: ValidationLoader,
+        loaders: list[ValidationLoader],
         parallel_dims: ParallelDims,
         validation_context: Callable[[], AbstractContextManager[None]],
         maybe_enable_amp: AbstractContextManager[None],
     ):
         self.freq, self.max_batches = job_config.validation.freq, job_config.validation.steps
-        self.loader, self.parallel_dims = loader, parallel_dims
+        self.loaders, self.parallel_dims = loaders, parallel_dims
         self.context, self.amp = validation_context, maybe_enable_amp
-        self._batches: list[Batch] | None = None
-        self.per_batch: list[list[float]] = []
+        self._batches: dict[str, list[Batch]] = {}
+        self.per_batch: dict[str, list[list[float]]] = {}
+
+    @property
+    def names(self) -> list[str]:
+        """The sets' names, the first set first (the run's `val/ce`)."""
+        return [loader.name for loader in self.loaders]
 
     def should_validate(self, step: int) -> bool:
         return self.freq > 0 and step % self.freq == 0
@@ -51,55 +61,78 @@ class FixedSetValidator:
     def _group(self) -> dist.ProcessGroup | None:
         return self.parallel_dims.get_mesh("batch").get_group() if self.parallel_dims.dp_enabled else None
 
-    def batches(self, device: torch.device) -> list[Batch]:
-        """This rank's share, read once and kept (token ids on CPU), cut to the count every rank has."""
-        if self._batches is not None:
-            return self._batches
+    def batches(self, loader: ValidationLoader, device: torch.device) -> list[Batch]:
+        """This rank's share of one set, read once and kept (token ids on CPU), cut to the count every rank has."""
+        if loader.name in self._batches:
+            return self._batches[loader.name]
         mine: list[Batch] = []
-        for inputs, labels in self.loader:
+        for inputs, labels in loader:
             mine.append((inputs["input"], labels))
             if len(mine) == self.max_batches:
-                break
+                break  # the scan stops here: a held-out set reads no more of the training shards
         common = torch.tensor([len(mine)], device=device)
         if self._group() is not None:
             dist.all_reduce(common, op=dist.ReduceOp.MIN, group=self._group())
         n = int(common.item())
         if n == 0:
             raise ValueError(
-                f"validation: a rank has no full batch of {self.loader.batch} x {self.loader.seq_len} tokens "
-                f"(shards {self.loader.shards}); add validation data or lower validation.local_batch_size / seq_len"
+                f"validation set {loader.name!r}: a rank has no full batch of {loader.batch} x {loader.seq_len} "
+                f"tokens (shards {loader.shards}); add validation data or lower validation.local_batch_size / seq_len"
             )
         if len(mine) > n:
             logger.warning(
-                f"validation: this rank has {len(mine)} batches, the smallest share {n}; "
+                f"validation set {loader.name!r}: this rank has {len(mine)} batches, the smallest share {n}; "
                 f"{len(mine) - n} left out so every rank runs the same number"
             )
-        self._batches = mine[:n]
-        logger.info(f"validation set: {n} batches of {self.loader.batch} x {self.loader.seq_len} tokens per rank")
-        return self._batches
+        self._batches[loader.name] = mine[:n]
+        logger.info(f"validation set {loader.name!r}: {n} batches of {loader.batch} x {loader.seq_len} tokens per rank")
+        return self._batches[loader.name]
 
     @torch.no_grad()
-    def validate(self, model_parts: list[nn.Module], step: int) -> float:
-        """The cross-entropy per valid token; `per_batch` then holds every batch's (CE sum, tokens), rank-major."""
+    def validate(self, model_parts: list[nn.Module], step: int) -> dict[str, float]:
+        """Each set's cross-entropy per valid token; `per_batch` then holds, per set, every batch's
+        (CE sum, tokens), rank-major."""
         model = model_parts[0]
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
-        rows = []
-        for inputs, labels in self.batches(device):
-            inputs, labels = inputs.to(device), labels.to(device)
-            with self.context(), self.amp:
-                ce = cross_entropy_sum(model(inputs), labels)
-            rows.append(torch.stack([ce.double(), (labels != IGNORE_INDEX).sum().double()]))
-        mine = torch.stack(rows)  # [batches, 2]
-        if self._group() is not None:
-            everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group()))]
-            dist.all_gather(everyone, mine, group=self._group())
-            mine = torch.cat(everyone)
+        out = {}
+        for loader in self.loaders:
+            rows = []
+            for inputs, labels in self.batches(loader, device):
+                inputs, labels = inputs.to(device), labels.to(device)
+                with self.context(), self.amp:
+                    ce = cross_entropy_sum(model(inputs), labels)
+                rows.append(torch.stack([ce.double(), (labels != IGNORE_INDEX).sum().double()]))
+            mine = torch.stack(rows)  # [batches, 2]
+            if self._group() is not None:
+                everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group()))]
+                dist.all_gather(everyone, mine, group=self._group())
+                mine = torch.cat(everyone)
+            self.per_batch[loader.name] = mine.tolist()
+            total = mine.sum(0)
+            out[loader.name] = (total[0] / total[1]).item()
         model.train(was_training)
-        self.per_batch = mine.tolist()
-        total = mine.sum(0)
-        return (total[0] / total[1]).item()
+        return out
+
+
+def write_validation_batches(
+    folder: str, step: int, batches: dict[str, dict[str, list[list[float]]]], first: str
+) -> None:
+    """validation/step-N.json, written atomically: {"step", "raw" and "ema": the first set's batches (CE sum,
+    tokens), "sets": {name: {"raw", "ema"}}}, what mhar_titan.compare pairs batch by batch."""
+    os.makedirs(folder, exist_ok=True)
+    record: dict[str, Any] = {"step": step, "sets": {}}
+    for which, per_set in batches.items():
+        for name, rows in per_set.items():
+            entry = {"ce_sum": [r[0] for r in rows], "tokens": [int(r[1]) for r in rows]}
+            record["sets"].setdefault(name, {})[which] = entry
+            if name == first:
+                record[which] = entry
+    path = os.path.join(folder, f"step-{step:08d}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
 
 
 def build_fixed_set_validator(
@@ -112,7 +145,7 @@ def build_fixed_set_validator(
     maybe_enable_amp: AbstractContextManager[None],
     **_: object,
 ) -> FixedSetValidator:
-    """The `TrainSpec` validator builder: `[data] validation_paths` or the held-out fraction."""
+    """The `TrainSpec` validator builder: `[data] validation_sets`, validation_paths or the held-out fraction."""
     if not isinstance(tokenizer, HuggingFaceTokenizer):
         raise TypeError("validation needs the HF tokenizer of model.hf_assets_path")
     cfg = data_config(job_config)
@@ -124,13 +157,12 @@ def build_fixed_set_validator(
             f"[validation] seq_len = {v.seq_len} exceeds [training] seq_len = {job_config.training.seq_len}, "
             "the longest sequence the model is built for; lower validation.seq_len"
         )
-    loader = ValidationLoader(
-        cfg,
-        list_shards(cfg.paths, cfg.manifest),
-        Encoder(tokenizer),
-        v.seq_len,
-        v.local_batch_size,
-        dp_rank,
-        dp_world_size,
-    )
-    return FixedSetValidator(job_config, loader, parallel_dims, validation_context, maybe_enable_amp)
+    encode = Encoder(tokenizer, cfg.bos)
+    shards = {src.name: list_shards(list(src.paths), src.manifest) for src in parse_mixture(cfg)}
+    loaders = []
+    for vset in parse_validation_sets(cfg):
+        held = [p for name, paths in shards.items() if vset.heldout in ("*", name) for p in paths]
+        loaders.append(
+            ValidationLoader(cfg, held, encode, v.seq_len, v.local_batch_size, dp_rank, dp_world_size, vset=vset)
+        )
+    return FixedSetValidator(job_config, loaders, parallel_dims, validation_context, maybe_enable_amp)

@@ -1,0 +1,448 @@
+"""A JSON index of a corpus's parquet footers, so start-up costs a few requests, not two per shard per rank.
+
+`_index.json` beside the shards records, per shard, its path relative to the index's folder, its
+size in bytes, its rows per row group and its Arrow columns (name and type as str()), plus a format
+version; unreadable shards are recorded with their error. `shard_infos` answers what
+`shards.shard_info` answers for every shard, from the index where it covers the shard, else from
+the footer (read in parallel). Coverage is checked against one listing per folder: a shard missing
+from the index, or whose size differs from the one recorded, is read from its footer with a warning
+naming both sizes (a stale entry never decides a run, and rebuilding is one command). A malformed
+index, or one of another format version, is an error naming the file and key.
+
+In a distributed job `startup_shards` lists and checks on rank 0 alone and broadcasts the answer as
+JSON text; an error on rank 0 is raised on every rank, so no rank waits for a broadcast that never
+comes. Build an index for an existing corpus with `python -m data.index SHARD_DIR_OR_GLOB`
+(`python -m data.prepare` writes one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import posixpath
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Any, Protocol
+
+import fsspec
+import torch
+import torch.distributed as dist
+from fsspec.core import url_to_fs
+
+from data.shards import (
+    BadShardError,
+    Footer,
+    NoDataError,
+    ShardInfo,
+    check_columns,
+    list_shards,
+    read_footer,
+    settle_bad_shards,
+)
+
+logger = logging.getLogger(__name__)
+
+INDEX_NAME = "_index.json"
+FORMAT = "mhar-titan shard index"
+VERSION = 1
+FOOTER_THREADS = 64  # footer reads are latency-bound: many in flight hide a remote store's round trips
+
+
+class BadIndexError(ValueError):
+    """An index file that cannot be used; the message names the file and the key."""
+
+
+# -- footers and listings -----------------------------------------------------------------------
+
+
+def read_footers(paths: list[str], threads: int = FOOTER_THREADS) -> list[Footer | BadShardError]:
+    """Every shard's footer, in parallel, in the order given; logs progress every 10% or 5 s (corpora of
+    100 shards and more), and once when done."""
+    results: list[Footer | BadShardError] = []
+    start = last = time.monotonic()
+    step = max(1, len(paths) // 10) if len(paths) >= 100 else len(paths)
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(paths)))) as pool:
+        futures = [pool.submit(_footer, path) for path in paths]
+        for done, _ in enumerate(as_completed(futures), 1):
+            now = time.monotonic()
+            if done % step == 0 or now - last >= 5.0 or done == len(paths):
+                logger.info(f"[data] read {done} of {len(paths)} shard footers ({now - start:.1f} s)")
+                last = now
+        results = [future.result() for future in futures]
+    return results
+
+
+def _footer(path: str) -> Footer | BadShardError:
+    try:
+        return read_footer(path)
+    except BadShardError as e:
+        return e
+
+
+Place = tuple[Any, str, str]  # (filesystem, path without protocol, its folder)
+
+
+def _where(path: str) -> Place:
+    """What listings and relative paths are keyed by."""
+    fs, bare = url_to_fs(path)
+    return fs, bare, fs._parent(bare)
+
+
+def _places(paths: list[str]) -> dict[str, Place]:
+    """`_where` of many paths, the filesystem looked up once per protocol (thousands of shards, every rank)."""
+    filesystems: dict[str, Any] = {}
+    places = {}
+    for path in paths:
+        protocol = path.split("://", 1)[0] if "://" in path else ""
+        if "::" in path:  # a chained URL: no shortcut
+            places[path] = _where(path)
+            continue
+        if protocol not in filesystems:
+            filesystems[protocol] = url_to_fs(path)[0]
+        fs = filesystems[protocol]
+        bare = fs._strip_protocol(path)
+        places[path] = (fs, bare, fs._parent(bare))
+    return places
+
+
+def _listings(places: dict[str, Place], threads: int) -> dict[str, int]:
+    """Size in bytes of every file in the folders of `places`, keyed by protocol-less path: one `ls`
+    per folder. A folder that cannot be listed is left out (its shards then read their footers)."""
+    folders: dict[tuple[int, str], Any] = {}
+    for fs, _, folder in places.values():
+        folders[(id(fs), folder)] = fs
+
+    def listing(key: tuple[int, str]) -> dict[str, int]:
+        try:
+            entries = folders[key].ls(key[1], detail=True)
+        except OSError as e:
+            logger.warning(f"[data] cannot list {key[1]} ({type(e).__name__}: {e}): reading its shards' footers")
+            return {}
+        return {e["name"]: int(e["size"]) for e in entries if e.get("type") == "file"}
+
+    sizes: dict[str, int] = {}
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(folders)))) as pool:
+        for found in pool.map(listing, folders):
+            sizes.update(found)
+    return sizes
+
+
+# -- the index file -----------------------------------------------------------------------------
+
+
+def write_index(shards: list[str], path: str, threads: int = FOOTER_THREADS) -> dict[str, Any]:
+    """Write the index of `shards` (each below the index's folder) to `path`, atomically; returns it.
+
+    Sizes are listed before the footers are read: a shard rewritten in between then mismatches its
+    recorded size later and is re-read, never trusted with an old size and a new footer."""
+    index_fs, _, base = _where(path)
+    places = _places(shards)
+    relative = []
+    for shard in shards:
+        bare = places[shard][1]
+        if not bare.startswith(base.rstrip("/") + "/"):
+            raise ValueError(f"{shard}: not below the index's folder {base}; write the index higher up (--out)")
+        relative.append(bare[len(base.rstrip("/")) + 1 :])
+    sizes = _listings(places, threads)
+    footers = read_footers(shards, threads)
+    entries = []
+    for shard, rel, footer in sorted(zip(shards, relative, footers, strict=True), key=lambda item: item[1]):
+        bare = places[shard][1]
+        if bare not in sizes:
+            raise FileNotFoundError(f"{shard}: not in its folder's listing (removed while indexing?)")
+        entry: dict[str, Any] = {"path": rel, "bytes": sizes[bare]}
+        if isinstance(footer, BadShardError):
+            entry["error"] = str(footer).removeprefix(f"{shard}: ")
+        else:
+            entry["row_groups"] = list(footer.row_groups)
+            entry["columns"] = [list(column) for column in footer.columns]
+        entries.append(entry)
+    lines = [json.dumps(entry, ensure_ascii=False, separators=(", ", ": ")) for entry in entries]
+    head = json.dumps({"format": FORMAT, "version": VERSION})[:-1]
+    text = head + ', "shards": [\n' + ",\n".join(lines) + "\n]}\n"
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with fsspec.open(temporary, "w", encoding="utf-8") as f:
+        f.write(text)
+    index_fs.mv(_where(temporary)[1], _where(path)[1])
+    return {"format": FORMAT, "version": VERSION, "shards": entries}
+
+
+def _check_entry(where: str, entry: object) -> None:
+    if not isinstance(entry, dict):
+        raise BadIndexError(f"{where}: {entry!r} is not an object")
+    rel = entry.get("path")
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in rel.split("/") or "://" in rel:
+        raise BadIndexError(f"{where}.path: {rel!r} is not a path relative to the index's folder")
+    size = entry.get("bytes")
+    if type(size) is not int or size < 0:
+        raise BadIndexError(f"{where}.bytes: {size!r} is not a non-negative integer")
+    if "error" in entry:
+        if not isinstance(entry["error"], str) or set(entry) != {"path", "bytes", "error"}:
+            raise BadIndexError(f"{where}: an unreadable shard's entry holds path, bytes and an error string only")
+        return
+    if set(entry) != {"path", "bytes", "row_groups", "columns"}:
+        raise BadIndexError(f"{where}: keys {sorted(entry)}, not path, bytes, row_groups, columns")
+    groups = entry["row_groups"]
+    if not isinstance(groups, list) or not all(type(n) is int and n >= 0 for n in groups):
+        raise BadIndexError(f"{where}.row_groups: {groups!r} is not a list of non-negative integers")
+    columns = entry["columns"]
+    if not isinstance(columns, list) or not all(
+        isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c) for c in columns
+    ):
+        raise BadIndexError(f"{where}.columns: {columns!r} is not a list of [name, type] string pairs")
+
+
+def read_index(path: str) -> dict[str, Any]:
+    """An index file, checked key by key; anything malformed is a BadIndexError naming the file and key."""
+    try:
+        with fsspec.open(path, "r", encoding="utf-8") as f:
+            index = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadIndexError(f"{path}: not a readable shard index ({type(e).__name__}: {e})") from e
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise BadIndexError(f'{path}: not a shard index (no "format": {FORMAT!r})')
+    if index.get("version") != VERSION:
+        raise BadIndexError(
+            f"{path}: version {index.get('version')!r}; this mhar-titan reads version {VERSION} "
+            "(rebuild it: python -m data.index FOLDER)"
+        )
+    if not isinstance(index.get("shards"), list):
+        raise BadIndexError(f"{path}: shards: not a list")
+    seen = set()
+    for i, entry in enumerate(index["shards"]):
+        _check_entry(f"{path}: shards[{i}]", entry)
+        if entry["path"] in seen:
+            raise BadIndexError(f"{path}: shards[{i}].path: {entry['path']!r} is listed twice")
+        seen.add(entry["path"])
+    return index
+
+
+# -- start-up -----------------------------------------------------------------------------------
+
+
+def _url(fs: Any, bare: str) -> str:
+    """A protocol-less path as a URL fsspec opens (plain for local files)."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
+    return bare if "file" in protocols else fs.unstrip_protocol(bare)
+
+
+def _indexed_entries(places: dict[str, Place], sizes: dict[str, int], index: str) -> dict[str, dict[str, Any]]:
+    """The index entry of each shard an index covers, with the index's URL under "index". `index` names
+    one file; "" means `_index.json` in each shard's folder, where that folder's listing holds one."""
+    named = _where(index) if index else None
+    files: dict[str, dict[str, dict[str, Any]]] = {}  # index URL -> its entries by relative path
+    local: dict[str, str] = {}  # folder -> the URL of its index, "" without one
+    found: dict[str, dict[str, Any]] = {}
+    for shard, (fs, bare, folder) in places.items():
+        if named is not None:
+            if named[0] is not fs:
+                continue
+            url, base = index, named[2]
+        else:
+            if folder not in local:
+                candidate = posixpath.join(folder, INDEX_NAME)
+                local[folder] = _url(fs, candidate) if candidate in sizes else ""
+            url, base = local[folder], folder
+            if not url:
+                continue
+        if url not in files:
+            files[url] = {entry["path"]: entry for entry in read_index(url)["shards"]}
+        prefix = base.rstrip("/") + "/"
+        entry = files[url].get(bare[len(prefix) :]) if bare.startswith(prefix) else None
+        if entry is not None:
+            found[shard] = entry | {"index": url}
+    if named is not None and not found:
+        logger.warning(f"[data] the shard index {index} covers none of the {len(places)} shards: reading footers")
+    return found
+
+
+def shard_infos(
+    shards: list[str],
+    text_column: str,
+    source_column: str = "",
+    on_bad_shard: str = "error",
+    index: str | None = "",
+    threads: int = FOOTER_THREADS,
+) -> dict[str, ShardInfo]:
+    """What `shard_info` gives for each usable shard (in the order given), from the index where it covers
+    a shard of unchanged size, else from its footer; bad shards raise or are skipped as in `check_shards`.
+
+    `index`: "" finds `_index.json` in each shard's folder, a path names one index, None reads every footer."""
+    entries: dict[str, dict[str, Any]] = {}
+    sizes: dict[str, int] = {}
+    places = _places(shards) if index is not None else {}
+    if index is not None:
+        sizes = _listings(places, threads)
+        entries = _indexed_entries(places, sizes, index)
+    missing = len(shards) - len(entries)
+    stale = []
+    for shard, entry in list(entries.items()):
+        size = sizes.get(places[shard][1])
+        if size != entry["bytes"]:
+            now = "not in its folder's listing" if size is None else f"{size} bytes"
+            stale.append(f"{shard}: {now}, {entry['bytes']} bytes in {entry['index']}")
+            del entries[shard]
+    if stale:
+        logger.warning(
+            f"[data] {len(stale)} shards differ from the shard index (changed since it was written); reading "
+            "their footers instead "
+            f"(rebuild it: python -m data.index FOLDER): {'; '.join(stale[:5])}{'; ...' if len(stale) > 5 else ''}"
+        )
+    if missing and len(entries) + len(stale):
+        logger.info(f"[data] {missing} of {len(shards)} shards not in a shard index: reading their footers")
+    unread = [shard for shard in shards if shard not in entries]
+    footers = dict(zip(unread, read_footers(unread, threads), strict=True))
+    infos: dict[str, ShardInfo] = {}
+    problems: list[BadShardError | None] = []
+    for shard in shards:
+        problem = None
+        try:
+            if shard in entries:
+                entry = entries[shard]
+                if "error" in entry:
+                    raise BadShardError(f"{shard}: {entry['error']} (recorded in {entry['index']})")
+                check_columns(shard, map(tuple, entry["columns"]), text_column, source_column)
+                infos[shard] = ShardInfo(shard, tuple(entry["row_groups"]))
+            else:
+                footer = footers[shard]
+                if isinstance(footer, BadShardError):
+                    raise footer
+                check_columns(shard, footer.columns, text_column, source_column)
+                infos[shard] = ShardInfo(shard, footer.row_groups)
+        except BadShardError as e:
+            problem = e
+        problems.append(problem)
+    usable = settle_bad_shards(shards, problems, on_bad_shard)
+    return {shard: infos[shard] for shard in usable}
+
+
+def infos_to_json(infos: dict[str, ShardInfo]) -> dict[str, Any]:
+    """Shard infos as JSON-ready data (for a broadcast): {"shards": [[path, [rows, ...]], ...]}."""
+    return {"shards": [[info.path, list(info.row_groups)] for info in infos.values()]}
+
+
+def infos_from_json(data: dict[str, Any]) -> dict[str, ShardInfo]:
+    """The inverse of `infos_to_json`, on every rank."""
+    return {path: ShardInfo(path, tuple(groups)) for path, groups in data["shards"]}
+
+
+# -- sharing rank 0's answer --------------------------------------------------------------------
+
+
+class Channel(Protocol):
+    """How ranks exchange rank 0's answer: `broadcast(data)` takes rank 0's bytes (None elsewhere) and
+    returns them on every rank."""
+
+    rank: int
+
+    def broadcast(self, data: bytes | None) -> bytes: ...
+
+
+class TorchChannel:
+    """A broadcast over the default process group: the length, then the UTF-8 bytes as uint8."""
+
+    def __init__(self) -> None:
+        self.rank = dist.get_rank()
+        backend = str(dist.get_backend())
+        gpu = "nccl" in backend and "gloo" not in backend
+        self.device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+
+    def broadcast(self, data: bytes | None) -> bytes:
+        size = torch.tensor([len(data or b"")], dtype=torch.int64, device=self.device)
+        dist.broadcast(size, src=0)
+        if data is not None:
+            dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device), src=0)
+            return data
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.broadcast(payload, src=0)
+        return payload.cpu().numpy().tobytes()
+
+
+# Errors raised on the other ranks as the type rank 0 raised; any other type arrives as a RuntimeError.
+_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (BadShardError, NoDataError, BadIndexError, FileNotFoundError, ValueError, TypeError, OSError)
+}
+
+
+def share_from_rank0(compute: Callable[[], dict], channel: Channel | None = None) -> dict:
+    """Rank 0's `compute()` on every rank, sent as JSON text; an error on rank 0 is raised on every rank.
+
+    Without a channel: the default process group when one is initialised with several ranks, else
+    `compute()` is simply called. Every rank must call it (a collective)."""
+    if channel is None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return compute()
+        channel = TorchChannel()
+    if channel.rank != 0:
+        answer = json.loads(channel.broadcast(None).decode("utf-8"))
+        if "error" in answer:
+            kind = _ERRORS.get(answer["error"], RuntimeError)
+            raise kind(f"{answer['message']} [raised on rank 0: {answer['error']}]")
+        return answer["value"]
+    failure: Exception | None = None
+    try:
+        text = json.dumps({"value": compute()}, ensure_ascii=False)
+    except Exception as e:  # any failure must reach the other ranks, or they wait for ever
+        failure = e
+        text = json.dumps({"error": type(e).__name__, "message": str(e)}, ensure_ascii=False)
+    channel.broadcast(text.encode("utf-8"))
+    if failure is not None:
+        raise failure
+    return json.loads(text)["value"]
+
+
+def startup_shards(
+    paths: list[str],
+    manifest: str,
+    text_column: str,
+    source_column: str,
+    on_bad_shard: str,
+    index: str | None = "",
+    channel: Channel | None = None,
+) -> dict[str, ShardInfo]:
+    """The usable shards and their row groups, listed and checked on rank 0 alone and shared with every
+    rank: what a loader needs at start-up, in a few requests where an index covers the corpus."""
+
+    def compute() -> dict[str, Any]:
+        shards = list_shards(paths, manifest)
+        return infos_to_json(shard_infos(shards, text_column, source_column, on_bad_shard, index))
+
+    return infos_from_json(share_from_rank0(compute, channel))
+
+
+# -- command line -------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Write a shard index (_index.json) for an existing parquet corpus, so every rank's "
+        "start-up reads one file instead of every footer."
+    )
+    parser.add_argument("shards", nargs="+", help="folders, globs or paths of parquet shards (local or fsspec URLs)")
+    parser.add_argument(
+        "--out",
+        default="",
+        help="one index for all shards, at this path (below which every shard must lie); default: "
+        f"{INDEX_NAME} in each folder that holds shards, where the loader finds it by itself",
+    )
+    parser.add_argument("--threads", type=int, default=FOOTER_THREADS, help="footers read at once")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    shards = list_shards(args.shards)
+    groups: dict[str, list[str]] = {}
+    for shard in shards:
+        groups.setdefault(args.out or posixpath.join(posixpath.dirname(shard), INDEX_NAME), []).append(shard)
+    for out, members in groups.items():
+        written = write_index(members, out, args.threads)
+        groups_written = sum(len(entry.get("row_groups", [])) for entry in written["shards"])
+        print(f"{out}: {len(members)} shards, {groups_written} row groups")
+        for entry in (entry for entry in written["shards"] if "error" in entry):
+            print(f"  unreadable (the loader stops or skips it, per on_bad_shard): {entry['path']}: {entry['error']}")
+
+
+if __name__ == "__main__":
+    main()
