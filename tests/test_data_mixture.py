@@ -6,17 +6,20 @@ import json
 import logging
 import random
 import re
+import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import torchrun
+from conftest import REPO, torchrun
 from test_data import BATCH, ENCODE, SEQ, WORDS
+from tokenizers import Tokenizer, processors
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 import data.stream as stream_module
 from data.config import DataConfig
-from data.loader import ParquetDataLoader, ValidationLoader, mixture_shares, source_infos, source_shards
+from data.loader import Encoder, ParquetDataLoader, ValidationLoader, mixture_shares, source_infos, source_shards
 from data.mixture import GOLDEN, ONE, bounds, parse_mixture, parse_source, parse_validation_sets, phase, pick
 from mhar_titan.components import fingerprint
 
@@ -249,3 +252,25 @@ def test_with_the_start_up_check_no_stream_reads_a_footer(sources, monkeypatch):
     ld = ParquetDataLoader(cfg, shards, ENCODE, SEQ, BATCH, 0, 1, 0, infos)
     run_batches(ld, 60)
     assert ld.counters()["mixture/tiny/epochs"] > 0  # every shard of a source reached
+
+
+def test_documents_start_with_bos_where_the_tokenizer_template_puts_one(tmp_path):
+    """Llama-3's tokenizer (Marin-8B's) prepends <|begin_of_text|> through its post-processor; the
+    demo tokenizer has none. 'auto' follows the template, 'always' / 'never' decide."""
+    tiny = REPO / "assets" / "tiny"
+    tok = Tokenizer.from_file(str(tiny / "tokenizer.json"))
+    bos = tok.token_to_id("<|begin_of_text|>")
+    special = [("<|begin_of_text|>", bos)]
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=special)
+    llama_like = tmp_path / "llama_like"
+    llama_like.mkdir()
+    tok.save(str(llama_like / "tokenizer.json"))
+    shutil.copy(tiny / "tokenizer_config.json", llama_like)
+    text = ["the residual stream"]
+    plain = Encoder(HuggingFaceTokenizer(str(tiny)))(text)[0]
+    assert plain[0] != bos
+    assert Encoder(HuggingFaceTokenizer(str(llama_like)))(text)[0] == [bos, *plain]
+    assert Encoder(HuggingFaceTokenizer(str(tiny)), "always")(text)[0] == [bos, *plain]
+    assert Encoder(HuggingFaceTokenizer(str(llama_like)), "never")(text)[0] == plain
+    with pytest.raises(ValueError, match="bos = 'sometimes'"):
+        DataConfig(bos="sometimes").validate()

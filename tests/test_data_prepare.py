@@ -2,6 +2,7 @@
 reruns, refusals, atomic output, the index and manifest beside the shards, the token estimate."""
 
 import gzip
+import itertools
 import json
 import re
 
@@ -9,6 +10,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from test_data import BATCH, ENCODE, SEQ
 from test_data_trust import invalid_utf8_shard
 
@@ -17,6 +19,7 @@ from data.config import DataConfig
 from data.index import read_index, shard_infos
 from data.loader import ParquetDataLoader
 from data.shards import list_shards, read_footer
+from data.stream import epoch_streams
 
 LIMIT = ["--max-bad-fraction", "0.5"]  # the fixture's inputs hold many bad rows on purpose
 
@@ -294,8 +297,29 @@ def test_the_loader_reads_the_prepared_shards(inputs, tmp_path):
     cfg = DataConfig(paths=[str(out)], num_streams=2, source_column="source")
     loader = ParquetDataLoader(cfg, list_shards(cfg.paths), ENCODE, SEQ, BATCH, 0, 1)
     it = iter(loader)
-    while min(st["sources"]["corpus"]["epoch"] for st in loader.states.values()) < 1:
-        next(it)
+    delivered: dict[int, list[int]] = {s: [] for s in loader.local}
+    for k in itertools.count():
+        inputs, labels = next(it)
+        stream = loader.local[k % len(loader.local)]
+        delivered[stream] += [t for row in torch.cat([inputs["input"], labels[:, -1:]], dim=1).tolist() for t in row]
+        if min(st["sources"]["corpus"]["epoch"] for st in loader.states.values()) >= 1:
+            break
     counters = loader.counters()
-    assert counters["docs"] >= len(docs) and counters["skipped_docs"] == 0
+    assert counters["skipped_docs"] == 0
+    # Every document exactly once in the first epoch: each stream's first documents (as many as its
+    # epoch-0 shards hold) are, together, the inputs' non-empty documents, each once.
+    epoch0 = epoch_streams(list_shards(cfg.paths), cfg.seed, 0, cfg.num_streams)
+    got = []
+    for stream, tokens in delivered.items():
+        count = sum(pq.read_metadata(path).num_rows for path in epoch0[stream])
+        pieces, current = [], []
+        for t in tokens:
+            if t == ENCODE.eos_id:
+                pieces.append(tuple(current))
+                current = []
+            else:
+                current.append(t)
+        got += pieces[:count]
+    want = [tuple(ids) for ids in ENCODE([text for text, _ in docs if text])]
+    assert sorted(got) == sorted(want)
     assert {k.removeprefix("tokens/") for k in counters if k.startswith("tokens/")} == {s for _, s in docs}
