@@ -62,7 +62,7 @@ def smoke(flavor: str, device: str, dtype: str, tokens: int, num_blocks: int, wo
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--flavor", default="tiny")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")

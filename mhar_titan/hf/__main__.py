@@ -1,6 +1,6 @@
 """The command line for HF checkpoints: inspect one, export a run's checkpoint, write a random base.
 
-python -m mhar_titan.hf inspect PATH [--mhar]
+python -m mhar_titan.hf inspect PATH [--mhar [--num-blocks N] [--num-heads H]]
 python -m mhar_titan.hf export RUN_DIR OUT_DIR [--step N] [--ema] [--dtype bf16] [--device cpu]
 python -m mhar_titan.hf init OUT_DIR [--flavor tiny] [--tokenizer DIR] [--seed 0]
 """
@@ -23,28 +23,37 @@ def main(argv: list[str] | None = None) -> None:
     p_inspect = sub.add_parser("inspect", help="config summary, parameter count, load ledger")
     p_inspect.add_argument("path", help="an HF checkpoint folder (config.json and safetensors)")
     p_inspect.add_argument("--mhar", action="store_true", help="as the MHAR arm would load it")
+    p_inspect.add_argument(
+        "--num-blocks", type=int, default=MHAR.num_blocks, help="with --mhar: [mhar] num_blocks (divides the layers)"
+    )
+    p_inspect.add_argument("--num-heads", type=int, default=MHAR.num_heads, help="with --mhar: [mhar] num_heads")
     p_export = sub.add_parser("export", help="a run's checkpoint as an HF directory (streamed, one shard at a time)")
     p_export.add_argument("run_dir", help="the run's dump_folder (holds model_args.json and checkpoint/)")
     p_export.add_argument("out_dir", help="a new folder for the HF model")
     p_export.add_argument("--step", type=int, default=None, help="default: the latest complete checkpoint")
     p_export.add_argument("--ema", action="store_true", help="the EMA weights instead of the raw ones")
-    p_export.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    p_export.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="the exported weights' dtype")
     p_export.add_argument("--device", default="cpu", help="where tensors are cast and permuted (cpu, cuda)")
     p_export.add_argument("--no-verify", action="store_true", help="skip checking the files against their checksums")
     p_export.add_argument("--no-routing", action="store_true", help="plain Llama (only while every gate is 0)")
     p_init = sub.add_parser("init", help="a randomly initialised base checkpoint of a flavor")
     p_init.add_argument("out_dir", help="a new folder for the HF model")
-    p_init.add_argument("--flavor", default="tiny")
+    p_init.add_argument("--flavor", default="tiny", help="a built-in architecture (tiny, marin8b, ...; default tiny)")
     p_init.add_argument("--tokenizer", default=None, help="folder whose tokenizer files are copied in")
-    p_init.add_argument("--seed", type=int, default=0)
-    p_init.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
+    p_init.add_argument("--seed", type=int, default=0, help="the initialisation's random seed (default 0)")
+    p_init.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="the saved weights' dtype")
     p_init.add_argument("--device", default="cpu", help="where to initialise (cuda: an 8B model in seconds)")
     args = parser.parse_args(argv)
     if args.cmd == "init":
         init_hf(args.out_dir, args.flavor, args.tokenizer, args.seed, DTYPES[args.dtype], args.device)
         print(f"wrote a random {args.flavor} base checkpoint (seed {args.seed}, {args.dtype}) to {args.out_dir}")
     elif args.cmd == "inspect":
-        print(inspect(args.path, MHAR(enable=True) if args.mhar else None))
+        mhar = MHAR(enable=True, num_blocks=args.num_blocks, num_heads=args.num_heads) if args.mhar else None
+        try:
+            print(inspect(args.path, mhar))
+        except (FileNotFoundError, ValueError) as e:  # bad input: one line, no traceback
+            hint = " (set --num-blocks)" if "num_blocks" in str(e) else ""
+            sys.exit(f"python -m mhar_titan.hf inspect: {e}{hint}")
     elif args.cmd == "export":
         try:
             step_dir = export_run(
