@@ -50,9 +50,11 @@ bench-kernels:
 bench-step:
 	$(if $(wildcard $(PY)),$(PY),python3) -m benchmarks.bench_step
 
-# CPU: the parquet loader's tokens/s per rank on shards of real text.
+# CPU: the parquet loader's sustained tokens/s per rank on shards of real text, for the demo tokenizer
+# and a local 128k-id byte-level BPE (trained once, ~25 s, cached in ~/.cache/mhar-titan/bpe128k),
+# 0 and 2 loader workers; ARGS e.g. "--tokenizer DIR --shards GLOB --no-bpe128k".
 bench-data: install
-	$(PY) -m benchmarks.bench_data
+	$(PY) -m benchmarks.bench_data $(ARGS)
 
 # CPU: start-up of 64 simulated ranks over 2,048 shards at 50 ms a request: every rank reading every
 # footer, rank 0 reading them and sharing, every rank (or rank 0) reading the shard index.

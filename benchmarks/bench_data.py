@@ -1,7 +1,23 @@
-"""Loader throughput on CPU: tokens/s per rank over parquet shards of real text.
+"""Loader throughput on CPU: tokens/s per rank, per tokenizer and number of loader workers.
 
-The shards are built from Python's standard-library sources (about 30 MB of
-text, 8 shards); the tokenizer is the demo's. `make bench-data`.
+By default the shards are built from CPython's standard-library sources (about 30 MB of
+text, 8 shards, site-packages left out) and two tokenizers are measured: the demo's (2,048
+ids) and a 128,256-id byte-level BPE of Llama-3's shape trained on this machine's text
+(benchmarks/bpe128k.py, cached after the first run), so the table shows what the real
+vocabulary costs. `make bench-data`; `--tokenizer DIR` (a tokenizer.json folder, such as a
+checkpoint's) and `--shards GLOB_OR_DIR` measure others.
+
+A stream tokenises a chunk of documents (up to [data] tokenize_batch, within a row group) when
+its read-ahead runs out, then serves windows from it for many batches, so a short run measures
+either those bursts or none of them. The clock starts after one batch from every stream (each
+has read its first chunk) and, unless `--batches` says otherwise, runs for about eight chunks
+of every stream: the sustained rate, a few percent high (the window starts with every chunk
+full and ends partway through one). The generated shards have 64-row row groups, so a chunk is
+about 1 MB of text, as 256 web documents are.
+
+Each measurement runs in a fresh process, as a training rank starts: nothing has been
+tokenised before its loader workers fork (HF tokenizers turns its thread pool off in forked
+workers when the parent used it), and no cache of an earlier run is warm.
 
 `--long-doc-mb 20` instead measures what one long document costs the batches after it:
 two streams, one reading ordinary documents and one a single document of that size;
@@ -12,37 +28,63 @@ out) and the size of each stream's checkpointed state.
 from __future__ import annotations
 
 import argparse
+import math
+import multiprocessing
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing.context import BaseContext
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
+from benchmarks.bpe128k import CACHE, Recipe, cached_bpe, library_roots
 from data.config import DataConfig
 from data.loader import Encoder, ParquetDataLoader
-from data.shards import list_shards
+from data.shards import list_shards, read_row_group, shard_info
 from data.stream import epoch_streams
 
+T = TypeVar("T")
+
 REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "assets" / "tiny"
+MOST_STREAMS = 8
+ROUNDS = 8  # read-ahead chunks of every stream in the timed window, by default
+SAMPLE_MB = 4.0  # text tokenised for the bytes-per-token column
+# What each measurement's process starts from: imported once, in the forkserver.
+PRELOAD = ["torch", "pyarrow.parquet", "torchtitan.components.tokenizer", "data.loader"]
 
 
-def stdlib_shards(out: Path, num_shards: int = 8) -> None:
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
-    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+def make_loader(
+    cfg: DataConfig, shards: list[str], encode: Encoder, seq_len: int, batch: int, workers: int
+) -> ParquetDataLoader:
+    """The bench's one loader construction (rank 0 of 1), kept apart so a new constructor is one edit."""
+    return ParquetDataLoader(cfg, shards, encode, seq_len, batch, 0, 1, workers)
+
+
+def stdlib_texts() -> list[str]:
+    """Every .py file of the standard library proper (its site-packages left out), in path order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(f for f in root.rglob("*.py") if "site-packages" not in f.relative_to(root).parts)
+    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+
+
+def stdlib_shards(out: Path, num_shards: int = 8, row_group_size: int = 64) -> None:
+    texts = stdlib_texts()
     for i in range(num_shards):
         part = texts[i::num_shards]
-        pq.write_table(
-            pa.table({"text": part, "source": ["stdlib"] * len(part)}), out / f"{i:05d}.parquet", row_group_size=256
-        )
+        table = pa.table({"text": part, "source": ["stdlib"] * len(part)})
+        pq.write_table(table, out / f"{i:05d}.parquet", row_group_size=row_group_size)
 
 
 def long_doc_shards(out: Path, megabytes: float) -> None:
     """ordinary.parquet: every stdlib source file; long.parquet: one document of their text, `megabytes` long."""
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
-    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    texts = stdlib_texts()
     pq.write_table(pa.table({"text": texts, "source": ["ordinary"] * len(texts)}), out / "ordinary.parquet")
     size, long = int(megabytes * 1e6), ""
     while len(long) < size:
@@ -50,7 +92,99 @@ def long_doc_shards(out: Path, megabytes: float) -> None:
     pq.write_table(pa.table({"text": [long[:size]], "source": ["long"]}), out / "long.parquet")
 
 
+def stream_count(num_shards: int, workers: list[int]) -> int:
+    """Streams for the run: at most 8 and the shard count, a multiple of every worker count."""
+    step = math.lcm(*(w for w in workers if w)) if any(workers) else 1
+    streams = min(MOST_STREAMS, num_shards) // step * step
+    if not streams:
+        raise ValueError(f"{num_shards} shards cannot give each of {step} loader workers a stream")
+    return streams
+
+
+def text_sample(cfg: DataConfig, shards: list[str], megabytes: float) -> list[str]:
+    """The shards' first documents, row group by row group, until `megabytes` of UTF-8."""
+    texts: list[str] = []
+    size = 0
+    groups = ((path, rg) for path in shards for rg in range(len(shard_info(path, cfg.text_column).row_groups)))
+    for path, rg in groups:
+        if size >= megabytes * 1e6:
+            break
+        docs = [t for t in read_row_group(path, rg, cfg.text_column)[0] if t]
+        texts += docs
+        size += sum(len(t.encode("utf-8")) for t in docs)
+    return texts
+
+
+def tokenizer_stats(tokenizer: str, cfg: DataConfig, shards: list[str]) -> tuple[int, float, float]:
+    """(vocab size, UTF-8 bytes per token, tokens per document) over a sample, the text's tokens alone
+    (no bos or eos, whatever the loader adds)."""
+    tok = HuggingFaceTokenizer(tokenizer)
+    texts = text_sample(cfg, shards, SAMPLE_MB)
+    encoded = tok.tokenizer.encode_batch(texts, add_special_tokens=False)
+    tokens = max(1, sum(len(e.ids) for e in encoded))
+    return tok.get_vocab_size(), sum(len(t.encode("utf-8")) for t in texts) / tokens, tokens / max(1, len(texts))
+
+
+def sustained_batches(cfg: DataConfig, shards: list[str], tokens_per_doc: float, batch: int, seq_len: int) -> int:
+    """Batches that take about ROUNDS read-ahead chunks from every stream: a chunk is tokenize_batch
+    documents or the rest of a row group, whichever is fewer."""
+    rows = [n for path in shards for n in shard_info(path, cfg.text_column).row_groups]
+    docs = min(cfg.tokenize_batch, sum(rows) / len(rows))
+    return math.ceil(ROUNDS * cfg.num_streams * docs * tokens_per_doc / (batch * seq_len))
+
+
+def tokens_per_second(
+    tokenizer: str, cfg: DataConfig, shards: list[str], seq_len: int, batch: int, batches: int, workers: int
+) -> float:
+    """One tokenizer and worker count, timed after one batch from every stream; run in a fresh process."""
+    loader = make_loader(cfg, shards, Encoder(HuggingFaceTokenizer(tokenizer)), seq_len, batch, workers)
+    it = iter(loader)
+    for _ in range(cfg.num_streams):
+        next(it)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+    rate = batches * batch * seq_len / (time.perf_counter() - start)
+    it.close()  # stops the loader workers now
+    return rate
+
+
+def _start_workers_with(method: str) -> None:
+    """A measurement process starts its loader workers as a training rank would (the forkserver's
+    children would otherwise use the forkserver for them too)."""
+    multiprocessing.set_start_method(method, force=True)
+
+
+def isolated(ctx: BaseContext, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) in a process of its own, forked from the forkserver (which never tokenised)."""
+    method = multiprocessing.get_start_method()
+    with ProcessPoolExecutor(
+        1, mp_context=ctx, initializer=_start_workers_with, initargs=(method,), max_tasks_per_child=1
+    ) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def throughput_table(
+    tokenizers: dict[str, str], cfg: DataConfig, shards: list[str], args: argparse.Namespace
+) -> list[str]:
+    """The markdown table, one row per tokenizer x worker count, each measured in its own process."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    rows = [
+        "| tokenizer | vocab | loader workers | timed batches | tokens/s per rank | bytes of text per token |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, path in tokenizers.items():
+        vocab, ratio, per_doc = isolated(ctx, tokenizer_stats, path, cfg, shards)
+        batches = args.batches or sustained_batches(cfg, shards, per_doc, args.batch, args.seq_len)
+        for workers in args.workers:
+            rate = isolated(ctx, tokens_per_second, path, cfg, shards, args.seq_len, args.batch, batches, workers)
+            rows.append(f"| {name} | {vocab:,} | {workers} | {batches:,} | {rate:,.0f} | {ratio:.2f} |")
+    return rows
+
+
 def long_doc_bench(args: argparse.Namespace, encode: Encoder) -> None:
+    batches = args.batches or 40
     with tempfile.TemporaryDirectory() as tmp:
         long_doc_shards(Path(tmp), args.long_doc_mb)
         cfg = DataConfig(paths=[tmp], num_streams=2, source_column="source")
@@ -58,10 +192,10 @@ def long_doc_bench(args: argparse.Namespace, encode: Encoder) -> None:
         long_stream = next(
             s for s, mine in enumerate(epoch_streams(shards, cfg.seed, 0, 2)) if mine[0].endswith("long.parquet")
         )
-        loader = ParquetDataLoader(cfg, shards, encode, args.seq_len, args.batch, 0, 1, 0)
+        loader = make_loader(cfg, shards, encode, args.seq_len, args.batch, 0)
         it = iter(loader)
         times: dict[int, list[float]] = {0: [], 1: []}
-        for k in range(2 * (args.batches + 1)):
+        for k in range(2 * (batches + 1)):
             start = time.perf_counter()
             next(it)
             times[loader.local[k % 2]].append(time.perf_counter() - start)
@@ -77,40 +211,72 @@ def long_doc_bench(args: argparse.Namespace, encode: Encoder) -> None:
     print("| batches per stream | ordinary ms/batch | after the long doc ms/batch | ratio | state bytes (ord., long) |")
     print("|---|---|---|---|---|")
     print(
-        f"| {args.batches} | {mean[ordinary]:.2f} | {mean[long_stream]:.2f} | {mean[long_stream] / mean[ordinary]:.2f} "
+        f"| {batches} | {mean[ordinary]:.2f} | {mean[long_stream]:.2f} | {mean[long_stream] / mean[ordinary]:.2f} "
         f"| {size[ordinary]:,}, {size[long_stream]:,} |"
     )
 
 
-def main() -> None:
+def tokenizer_dirs(args: argparse.Namespace) -> dict[str, str]:
+    """Table name -> folder: the --tokenizer folders (default: the demo's), then the local BPE if asked."""
+    dirs = [Path(d).resolve() for d in args.tokenizer or [DEMO]]
+    found = {str(d.relative_to(REPO)) if d.is_relative_to(REPO) else d.name: str(d) for d in dirs}
+    bpe = args.bpe128k if args.bpe128k is not None else not args.tokenizer and not args.long_doc_mb
+    if bpe:
+        recipe = Recipe(vocab_size=args.bpe_vocab, corpus_mb=args.bpe_corpus_mb, roots=library_roots())
+        name = "bpe128k" if args.bpe_vocab == Recipe.vocab_size else f"bpe{args.bpe_vocab}"
+        found[name] = str(cached_bpe(recipe, args.bpe_cache))
+    return found
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--batches", type=int, default=40)
-    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    parser.add_argument(
+        "--tokenizer", action="extend", nargs="+", metavar="DIR", help="tokenizer folders (default: assets/tiny)"
+    )
+    parser.add_argument(
+        "--bpe128k",
+        action=argparse.BooleanOptionalAction,
+        help="also the local 128k BPE (default: on when no --tokenizer is given)",
+    )
+    parser.add_argument(
+        "--shards",
+        action="extend",
+        nargs="+",
+        metavar="GLOB_OR_DIR",
+        help="parquet shards (default: the stdlib's sources)",
+    )
+    parser.add_argument("--seq-len", type=int, default=4096, help="tokens per window (default 4096)")
+    parser.add_argument("--batch", type=int, default=2, help="windows per batch (default 2)")
+    parser.add_argument(
+        "--batches", type=int, default=0, help=f"timed (default: {ROUNDS} chunks a stream; 40 with --long-doc-mb)"
+    )
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="loader worker counts (default 0 2)")
+    parser.add_argument("--bpe-vocab", type=int, default=Recipe.vocab_size, help="the local BPE's ids with specials")
+    parser.add_argument("--bpe-corpus-mb", type=float, default=Recipe.corpus_mb, help="its training text")
+    parser.add_argument("--bpe-cache", type=Path, default=CACHE, help="where trained BPEs are kept")
     parser.add_argument("--long-doc-mb", type=float, default=0.0, help="measure one long document instead")
-    args = parser.parse_args()
-    encode = Encoder(HuggingFaceTokenizer(str(REPO / "assets" / "tiny")))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    tokenizers = tokenizer_dirs(args)
     if args.long_doc_mb:
-        long_doc_bench(args, encode)
+        long_doc_bench(args, Encoder(HuggingFaceTokenizer(next(iter(tokenizers.values())))))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        stdlib_shards(Path(tmp))
-        cfg = DataConfig(paths=[tmp], num_streams=8, source_column="source")
-        shards = list_shards(cfg.paths)
-        print(f"{len(shards)} shards of CPython stdlib sources, seq {args.seq_len}, batch {args.batch}")
-        print("| loader workers | tokens/s per rank |")
-        print("|---|---|")
-        for workers in args.workers:
-            loader = ParquetDataLoader(cfg, shards, encode, args.seq_len, args.batch, 0, 1, workers)
-            it = iter(loader)
-            for _ in range(4):  # warm-up: workers start, first row groups
-                next(it)
-            start = time.perf_counter()
-            for _ in range(args.batches):
-                next(it)
-            rate = args.batches * args.batch * args.seq_len / (time.perf_counter() - start)
-            print(f"| {workers} | {rate:,.0f} |")
+        if args.shards:
+            shards, what = list_shards(args.shards), ", ".join(args.shards)
+        else:
+            stdlib_shards(Path(tmp))
+            shards, what = list_shards([tmp]), "CPython stdlib sources"
+        streams = stream_count(len(shards), args.workers)
+        cfg = DataConfig(paths=shards, num_streams=streams)
+        print(
+            f"{len(shards)} shards of {what}; {streams} streams, seq {args.seq_len}, batch {args.batch}, "
+            f"timed after one batch from each stream; 1 rank on {multiprocessing.cpu_count()} CPUs"
+        )
+        print("\n".join(throughput_table(tokenizers, cfg, shards, args)))
 
 
 if __name__ == "__main__":

@@ -7,14 +7,14 @@ one). It holds `--shards` small parquet shards of two row groups and their `_ind
 for ranks, all released at once; a rank is ready when it knows the usable shards. Modes:
 
   a. every rank lists the shards and reads every footer (`data.shards.check_shards`, 16 threads per
-     rank: the loader's start-up today). Simulated with `--ranks-a` ranks (default 8): every rank makes
+     rank: the loader's start-up before the index). Simulated with `--ranks-a` ranks (default 8): every rank makes
      the same requests, so the count is scaled to `--ranks` exactly, and with an unthrottled store the
      ranks do not slow each other, so the wall time is what each of `--ranks` real ranks would wait;
      with `--max-rps` (shared by all ranks) every rank is simulated;
   b. rank 0 lists and reads the footers (`data.index.shard_infos` without an index, 64 threads) and
      shares the answer (`share_from_rank0` over an in-process channel); the other ranks wait for it;
   c. every rank lists the shards and reads the index (`shard_infos`: one listing, one index file);
-  d. rank 0 lists and reads the index and shares it (`data.index.startup_shards`).
+  d. rank 0 lists and reads the index and shares it (`data.index.startup_shards`: the loader now).
 
 Wall time runs from the release to the last rank ready; requests are those the filesystem served. Every
 rank of every mode must find the same shards, or the benchmark fails. The simulated ranks share this
@@ -165,7 +165,7 @@ def mode_d(rank: int, channel: ThreadChannel) -> list[str]:
 
 
 MODES: dict[str, tuple[str, Callable[[int, ThreadChannel], list[str]]]] = {
-    "a": ("every rank reads every footer (check_shards, today)", mode_a),
+    "a": ("every rank reads every footer (check_shards, the loader before the index)", mode_a),
     "b": ("rank 0 reads the footers, shares", mode_b),
     "c": ("every rank reads the index", mode_c),
     "d": ("rank 0 reads the index, shares", mode_d),
