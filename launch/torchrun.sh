@@ -15,7 +15,8 @@
 # CONFIG, else torchtitan's default ./outputs; relative to the current directory (the repo root).
 #
 # --dry-run prints the torchrun command on stdout (and the dump folder on stderr) and runs nothing;
-# --print-dump-folder prints the dump folder only. $PYTHON is the interpreter (default: python).
+# --print-dump-folder prints the dump folder only. The interpreter: $PYTHON if set, else the
+# repository's .venv/bin/python (what `make install` creates), else python3 or python on PATH.
 set -euo pipefail
 
 me=launch/torchrun.sh
@@ -57,7 +58,18 @@ if [[ $nnodes -gt 1 ]]; then
   [[ "$rdzv_endpoint" =~ ^[^:[:space:]]+:[0-9]+$ ]] || die "--rdzv-endpoint must be HOST:PORT, got '$rdzv_endpoint'"
 fi
 
-python="${PYTHON:-python}"
+repo=$(cd "$(dirname "$0")/.." && pwd)
+if [[ -n "${PYTHON:-}" ]]; then
+  python="$PYTHON"
+elif [[ -x "$repo/.venv/bin/python" ]]; then
+  python="$repo/.venv/bin/python"
+elif command -v python3 >/dev/null 2>&1; then
+  python=python3
+elif command -v python >/dev/null 2>&1; then
+  python=python
+else
+  die "no Python: no \$PYTHON, no $repo/.venv (make install creates it) and no python3 or python on PATH; set PYTHON=/path/to/python (the environment with torch and mhar-titan installed)"
+fi
 [[ "${MARKER_WAIT_S:-10}" =~ ^[0-9]+$ ]] || die "MARKER_WAIT_S must be a whole number of seconds, got '$MARKER_WAIT_S'"
 
 # The dump folder, as the trainer will see it: the last --job.dump_folder override wins.
@@ -93,7 +105,6 @@ if [[ -z "$nproc" ]]; then
   fi
 fi
 
-repo=$(cd "$(dirname "$0")/.." && pwd)
 if [[ $nnodes -gt 1 ]]; then
   rdzv=(--rdzv-backend=c10d --rdzv-endpoint="$rdzv_endpoint" --nnodes="$nnodes")
   [[ -z "$rdzv_id" ]] || rdzv+=(--rdzv-id="$rdzv_id")

@@ -84,6 +84,35 @@ def test_dry_run_prints_the_torchrun_command():
     ]
 
 
+def _tools_without_python(tmp_path) -> str:
+    """A PATH directory with the tools the launcher uses and no python: a clean login shell's view."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "sed", "cat", "mkdir", "rm", "sleep", "date", "wc"):
+        found = shutil.which(tool)
+        if found:
+            (bin_dir / tool).symlink_to(found)
+    return str(bin_dir)
+
+
+def test_without_python_on_path_the_launcher_finds_the_venv_or_says_what_to_set(tmp_path):
+    tree = tmp_path / "repo"
+    (tree / "launch").mkdir(parents=True)
+    shutil.copy(SCRIPT, tree / "launch" / "torchrun.sh")
+    shutil.copy(REPO / CONTROL, tree / "control.toml")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"} | {"PATH": _tools_without_python(tmp_path)}
+    cmd = [str(tree / "launch" / "torchrun.sh"), "--dry-run", "--nproc", "1", "control.toml"]
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "no Python" in proc.stderr and "set PYTHON=/path/to/python" in proc.stderr and "make install" in proc.stderr
+    (tree / ".venv" / "bin").mkdir(parents=True)
+    (tree / ".venv" / "bin" / "python").symlink_to(sys.executable)
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[0] == str(tree / ".venv" / "bin" / "python")  # and it read the TOML with it
+    assert "# dump_folder: runs/tiny/control" in proc.stderr
+
+
 def test_missing_config_is_refused_by_name():
     proc = subprocess.run([SCRIPT, "configs/nope.toml"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2
