@@ -156,7 +156,10 @@ class CPTTrainer(Trainer):
                 except DataloaderExhaustedError:
                     logger.warning("Ran out of data; last step was canceled.")
                     break
+                began = time.perf_counter()
                 self.checkpointer.save(self.step, last_step=(self.step == cfg.training.steps))
+                if cfg.checkpoint.enable and self.step % cfg.checkpoint.interval == 0:  # its time goes into the ETA
+                    self.clock.pause(time.perf_counter() - began, "checkpoint", cfg.checkpoint.interval)
                 if cfg.validation.enable and self.validator.should_validate(self.step):
                     self.validate()
                 if self.bad_steps_in_a_row >= cfg.training.max_bad_steps:
@@ -258,8 +261,9 @@ class CPTTrainer(Trainer):
             self.optimizers.zero_grad()
             self._report_bad_step(loss, norm, batch_from)
         self.memory_phases.mark("optimizer")
+        applied = {g["name"]: g["lr"] for g in self.optimizers.optimizers[0].param_groups}  # this step's LR
         self.lr_schedulers.step()  # the schedule follows the step count, applied or not
-        self._log_step(norm, loss_max, values[:n_loss], values[n_loss:])
+        self._log_step(norm, loss_max, values[:n_loss], values[n_loss:], applied)
 
     @property
     def skip_on_device(self) -> bool:
@@ -330,17 +334,22 @@ class CPTTrainer(Trainer):
 
     # -- metrics ------------------------------------------------------------------------------
 
-    def _log_step(self, grad_norm: float, loss_max: float, loss_values: list[float], stats: list[float]) -> None:
+    def _log_step(
+        self, grad_norm: float, loss_max: float, loss_values: list[float], stats: list[float], lrs: dict[str, float]
+    ) -> None:
         """TensorBoard scalars and one readable line, at every log step, from the step's values read
         back from the device (`_logged_values`); the routing statistics on their steps."""
         self.clock.tick(self.step)
         if loss_values:
-            self._write_metrics(loss_values[0], loss_max, grad_norm, loss_values[1:])
+            self._write_metrics(loss_values[0], loss_max, grad_norm, loss_values[1:], lrs)
         if stats:
             values = torch.tensor(stats).reshape(self.model_args.n_layers, 2, -1)
             self.metrics_processor.logger.log(name_routing_stats(values), self.step)
 
-    def _write_metrics(self, loss_v: float, loss_max: float, grad_norm: float, part_sums: list[float]) -> None:
+    def _write_metrics(
+        self, loss_v: float, loss_max: float, grad_norm: float, part_sums: list[float], lrs: dict[str, float]
+    ) -> None:
+        """`lrs`: each group's LR as the step applied it (the scheduler has moved on since)."""
         mp = self.metrics_processor
         counters = gather_counters(self.dataloader)
         metrics = {f"data/{k}": v for k, v in counters.items()}
@@ -361,8 +370,7 @@ class CPTTrainer(Trainer):
         if part_sums:  # CE and z-loss of this step, per valid token over all ranks
             ce, z, tokens = part_sums
             metrics.update({"train/ce": ce / tokens, "train/z_loss": z / tokens})
-        groups = self.optimizers.optimizers[0].param_groups
-        metrics.update({f"lr/{g['name']}": g["lr"] for g in groups})
+        metrics.update({f"lr/{name}": lr for name, lr in lrs.items()})
         metrics.update(throughput(mp))
         metrics.update(self.memory_phases.take())
         mp.logger.log(metrics, self.step)
@@ -370,7 +378,8 @@ class CPTTrainer(Trainer):
         logger.info(
             f"step {self.step}/{self.job_config.training.steps}  loss {loss_v:.4f}"
             + (f" (ce {metrics['train/ce']:.4f})" if part_sums else "")
-            + f"  lr {groups[0]['lr']:.2e}  grad_norm {grad_norm:.3f}  {metrics['tokens_per_s']:,.0f} tok/s/dev"
+            + f"  lr {next(iter(lrs.values())):.2e}  grad_norm {grad_norm:.3f}"
+            f"  {metrics['tokens_per_s']:,.0f} tok/s/dev  {self.clock.pace(self.tokens_seen)}"
             f"  mfu {metrics['mfu']:.1f}%  mem {metrics['memory/peak_reserved_gib']:.1f} GiB  eta {self.clock.eta()}"
         )
 
@@ -395,7 +404,7 @@ class CPTTrainer(Trainer):
             write_validation_batches(folder, self.step, batches, self.validator.names[0])
         spent = time.perf_counter() - began
         self.metrics_processor.time_last_log += spent  # keep validation out of the training throughput
-        self.clock.pause(spent)
+        self.clock.pause(spent, "validation", self.job_config.validation.freq)
         logger.info(f"validation at step {self.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
     # -- checkpointed trainer state -------------------------------------------------------------

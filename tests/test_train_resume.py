@@ -5,6 +5,7 @@ checkpoint and on another number of ranks; crafted checkpoints and other archite
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from conftest import REPO, process_tree, torchrun
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from mhar_titan.components.tensorboard_scalars import LOSS_TAG, read_scalars
+from mhar_titan.config import parse_config
 from mhar_titan.hf.run import load_run_checkpoint
 
 # A short schedule whose LR does not depend on how many steps each job runs.
@@ -48,12 +50,18 @@ def test_resume_reproduces_uninterrupted_run(straight, tmp_path):
     proc = torchrun(resumed, "--training.steps", "8", *SCHEDULE, *VALIDATE)
     log = proc.stdout + proc.stderr
     assert "Training starts at step 5" in log
+    # the log line: seconds a step, the tokens seen (all ranks, counted across the resume) and the share done
+    assert re.search(r"step 8/8 .* [0-9.]+ s/step  tokens 16,384 \(100\.0%\)", log), log[-2000:]
 
     for tag in (LOSS_TAG, GRAD_NORM_TAG, "train/ce", "train/z_loss", "lr/decay", "tokens_seen"):
         want = read_scalars(straight, tag)
         got = read_scalars(resumed, tag)
         assert list(want) == list(range(1, 9)), tag
         assert got == want, f"{tag}: resumed {got} != uninterrupted {want}"
+    # the LR logged at a step is the one that step applied: 0 for the first (cold start, warmup 2), then the peak
+    lr = read_scalars(straight, "lr/decay")
+    peak = parse_config(["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml")]).optimizer.lr
+    assert lr[1] == 0.0 and abs(lr[2] - peak / 2) <= 1e-6 * peak and abs(lr[3] - peak) <= 1e-6 * peak, lr
     for tag in ("val/ce", "val/ce_ema"):  # the same fixed set, the same weights: the same values
         want, got = read_scalars(straight, tag), read_scalars(resumed, tag)
         # a fresh start validates the base at step 0 too; a resume does not repeat it

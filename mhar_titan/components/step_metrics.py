@@ -94,11 +94,14 @@ def flush(mp: MetricsProcessor) -> None:
 
 
 class StepClock:
-    """Remaining time from the mean step time of this job, not counting its first step (compile, warm-up)."""
+    """Seconds per training step and the remaining time of the job: the mean step time (not counting
+    the first step: compile, warm-up) times the steps left, plus each kind of periodic work
+    (validation, checkpoints) at its mean duration times the times it will still run."""
 
     def __init__(self) -> None:
         self.origin: tuple[float, int] | None = None
         self.last_step = self.total = 0
+        self.periodic: dict[str, list[float]] = {}  # kind -> [every, runs, seconds]
 
     def start(self, step: int, total: int) -> None:
         self.origin, self.last_step, self.total = None, step, total
@@ -108,15 +111,39 @@ class StepClock:
             self.origin = (time.perf_counter(), step)
         self.last_step = step
 
-    def pause(self, seconds: float) -> None:
-        """Leave out time that is not training (validation)."""
+    def pause(self, seconds: float, kind: str = "validation", every: int = 0) -> None:
+        """Time that is not training: left out of the step time, and counted as `kind`, which runs at
+        every multiple of `every` steps (0: not again)."""
         if self.origin is not None:
             self.origin = (self.origin[0] + seconds, self.origin[1])
+        runs = self.periodic.setdefault(kind, [every, 0, 0.0])
+        runs[0], runs[1], runs[2] = every, runs[1] + 1, runs[2] + seconds
+
+    def seconds_per_step(self) -> float | None:
+        if self.origin is None or self.last_step <= self.origin[1]:
+            return None
+        return (time.perf_counter() - self.origin[0]) / (self.last_step - self.origin[1])
+
+    def eta_seconds(self) -> float | None:
+        per_step = self.seconds_per_step()
+        if per_step is None:
+            return None
+        left = per_step * max(self.total - self.last_step, 0)
+        for every, runs, seconds in self.periodic.values():
+            if every > 0 and runs:
+                to_come = self.total // every - self.last_step // every
+                left += seconds / runs * max(to_come, 0)
+        return left
+
+    def pace(self, tokens_seen: int) -> str:
+        """'1.23 s/step  tokens 1,234,567 (12.5%)': the step time, the tokens seen, the share of the steps done."""
+        per_step = self.seconds_per_step()
+        done = self.last_step / max(self.total, 1)
+        return f"{'?' if per_step is None else f'{per_step:.2f}'} s/step  tokens {tokens_seen:,} ({done:.1%})"
 
     def eta(self) -> str:
-        if self.origin is None or self.last_step <= self.origin[1]:
+        left = self.eta_seconds()
+        if left is None:
             return "?"
-        per_step = (time.perf_counter() - self.origin[0]) / (self.last_step - self.origin[1])
-        left = int(per_step * max(self.total - self.last_step, 0))
-        hours, rest = divmod(left, 3600)
+        hours, rest = divmod(int(left), 3600)
         return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
