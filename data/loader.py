@@ -363,6 +363,13 @@ def gather_counters(loader: ParquetDataLoader) -> dict[str, int]:
     return total
 
 
+def token_shares(counters: dict[str, int]) -> dict[str, float]:
+    """data/token_share/<tag>: each source-column tag's share of the tokens counted by tag so far."""
+    tokens = {k.removeprefix("tokens/"): v for k, v in counters.items() if k.startswith("tokens/")}
+    total = sum(tokens.values())
+    return {f"data/token_share/{tag}": n / total for tag, n in tokens.items()} if total else {}
+
+
 def mixture_shares(counters: dict[str, int]) -> dict[str, float]:
     """data/mixture/<name>/share: each source's share of the tokens delivered so far (with a mixture)."""
     tokens = {k.split("/")[1]: v for k, v in counters.items() if k.startswith("mixture/") and k.endswith("/tokens")}

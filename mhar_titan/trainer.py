@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -20,9 +19,9 @@ from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling
 from torchtitan.train import Trainer
 
-from data.loader import gather_counters, mixture_shares
+from data.loader import gather_counters, mixture_shares, token_shares
 from mhar_titan import cpu
-from mhar_titan.components import fingerprint
+from mhar_titan.components import fingerprint, run_record
 from mhar_titan.components.checkpoint import CPTCheckpointManager, complete_steps
 from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch
@@ -33,7 +32,6 @@ from mhar_titan.components.validate import write_validation_batches
 from mhar_titan.config import parse_config
 from mhar_titan.train_spec import train_spec
 
-MODEL_ARGS_FILE = "model_args.json"
 EMA_STATE = "ema"
 
 
@@ -95,7 +93,7 @@ class CPTTrainer(Trainer):
 
     def _legacy_fingerprint(self, folder: str) -> dict[str, Any] | None:
         """A run from before fingerprints still has its architecture in model_args.json: compare that."""
-        path = os.path.join(folder, MODEL_ARGS_FILE)
+        path = os.path.join(folder, run_record.MODEL_ARGS_FILE)
         if not os.path.exists(path):
             return None
         with open(path) as f:
@@ -113,17 +111,7 @@ class CPTTrainer(Trainer):
         if torch.distributed.get_rank() != 0:
             return
         fingerprint.record(self.job_config.job.dump_folder, self.fingerprint, self.step, changes)
-        self._write_model_args()
-
-    def _write_model_args(self) -> None:
-        """Rank 0: the architecture and [mhar] settings beside the checkpoints, for the tools (hf export)."""
-        path = os.path.join(self.job_config.job.dump_folder, MODEL_ARGS_FILE)
-        base = self.job_config.model.hf_assets_path
-        base = base if "://" in base else os.path.abspath(base)  # tools may run from another directory
-        info = {"hf_assets_path": base, "args": dataclasses.asdict(self.model_args)}
-        with open(path + ".tmp", "w") as f:
-            json.dump(info, f, indent=2)
-        os.replace(path + ".tmp", path)
+        run_record.record_start(self.job_config, self.model_args, self.step, torch.distributed.get_world_size())
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -353,7 +341,7 @@ class CPTTrainer(Trainer):
         mp = self.metrics_processor
         counters = gather_counters(self.dataloader)
         metrics = {f"data/{k}": v for k, v in counters.items()}
-        metrics.update(mixture_shares(counters))
+        metrics.update({**mixture_shares(counters), **token_shares(counters)})
         if self.job_config.data.on_source_exhausted == "stop":  # the same totals on every rank: all stop at once
             self.exhausted_sources = [
                 k.split("/")[1] for k, v in counters.items() if k.startswith("mixture/") and k.endswith("/epochs") and v

@@ -1,5 +1,6 @@
 """The demo's path in short: a random HF base, the pair through launch/pair.sh, then the comparison."""
 
+import json
 import os
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import sys
 from conftest import REPO
 
 from mhar_titan.compare.pair import compare
+from mhar_titan.config import parse_config
 from mhar_titan.hf.export import init_hf
 
 
@@ -43,3 +45,11 @@ def test_pair_from_an_hf_base_starts_identical_and_the_report_says_so(tmp_path):
         assert [row["step"] for row in vset["rows"]] == [0, 2, 4]
         assert vset["rows"][0]["raw"]["delta"]["delta"] == 0.0  # step 0: the same base on the same batches
     assert "## Validation sets" in report and "### `code` (`val/code/ce`, `val/code/ce_ema`)" in report
+    # each arm's folder records its resolved settings, which parse back to the arm's job
+    for arm, enabled in (("control", False), ("mhar", True)):
+        folder = pair / arm
+        resolved = parse_config(["--job.config_file", str(folder / "config.resolved.toml")])
+        assert resolved.mhar.enable is enabled and resolved.training.steps == 4 and resolved.mhar.num_blocks == 2
+        assert resolved.job.dump_folder == str(folder) and resolved.model.hf_assets_path == str(base)
+        assert json.loads((folder / "environment.json").read_text())["world_size"] == 2
+        assert [json.loads(line)["step"] for line in (folder / "starts.jsonl").read_text().splitlines()] == [0]
