@@ -26,7 +26,14 @@ from mhar_titan.components.checkpoint import CPTCheckpointManager, complete_step
 from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch
 from mhar_titan.components.routing_stats import average_routing_stats, name_routing_stats
-from mhar_titan.components.step_metrics import MemoryPhases, StepClock, StepReadback, flush, throughput
+from mhar_titan.components.step_metrics import (
+    MemoryPhases,
+    StepClock,
+    StepReadback,
+    flush,
+    one_tensorboard_run,
+    throughput,
+)
 from mhar_titan.components.tensorboard_scalars import PRIMARY_TAGS, set_tags
 from mhar_titan.components.validate import write_validation_batches
 from mhar_titan.config import parse_config
@@ -122,6 +129,9 @@ class CPTTrainer(Trainer):
         cfg = self.job_config
         changes = self._check_run()
         self.checkpointer.load(step=cfg.checkpoint.load_step)
+        one_tensorboard_run(
+            self.metrics_processor, os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder), self.step
+        )
         self._record_run(changes)
         if self.ema is not None:
             self.ema.start()  # after the load: a restored EMA stays, otherwise it starts from the loaded weights

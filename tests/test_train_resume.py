@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import REPO, process_tree, torchrun
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from mhar_titan.components.tensorboard_scalars import LOSS_TAG, read_scalars
@@ -234,3 +235,11 @@ def test_killed_preempted_and_corrupted_runs_resume_to_the_same_losses(straight,
     for tag in (LOSS_TAG, GRAD_NORM_TAG, "val/ce", "val/ce_ema"):
         want, got = read_scalars(straight, tag), read_scalars(run, tag)
         assert got == want, f"{tag}: {got} != uninterrupted {want}"
+    # TensorBoard's own reader: one run (one folder) across the four starts, each step once, the
+    # steps the killed and the damaged timelines logged past their resume point purged
+    assert {p.parent for p in run.rglob("events.out.tfevents.*")} == {run / "tb"}
+    events = EventAccumulator(str(run / "tb"))
+    events.Reload()
+    steps = [e.step for e in events.Scalars(LOSS_TAG)]
+    assert steps == list(range(1, 9)), steps
+    assert [e.value for e in events.Scalars(LOSS_TAG)] == [read_scalars(straight, LOSS_TAG)[s] for s in steps]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
-from torchtitan.components.metrics import MetricsProcessor
+from torch.utils.tensorboard import SummaryWriter
+from torchtitan.components.metrics import LoggerContainer, MetricsProcessor, TensorBoardLogger
 
 
 def throughput(mp: MetricsProcessor) -> dict[str, float]:
@@ -147,3 +150,22 @@ class StepClock:
             return "?"
         hours, rest = divmod(int(left), 3600)
         return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def one_tensorboard_run(mp: MetricsProcessor, folder: str, step: int) -> None:
+    """TensorBoard writes to `folder` (<dump_folder>/tb) at every start, not to a new timestamped folder
+    (torchtitan's), so a preempted and resumed job is one run in TensorBoard. Its events from step + 1
+    on are purged (`purge_step`): a job resumed from an earlier checkpoint replaces what the lost
+    timeline logged after it. Called once the checkpoint is loaded (`step`: the resumed step)."""
+    loggers = mp.logger._loggers if isinstance(mp.logger, LoggerContainer) else [mp.logger]
+    for lg in loggers:
+        if not isinstance(lg, TensorBoardLogger):
+            continue
+        old = Path(lg.writer.log_dir)
+        lg.writer.close()
+        lg.writer = SummaryWriter(folder, max_queue=1000, purge_step=step + 1 if step else None)
+        if old != Path(folder):  # torchtitan's writer's folder: remove the empty event file this process made
+            for p in old.glob(f"events.out.tfevents.*.{os.getpid()}.*"):
+                p.unlink()
+            if not any(old.iterdir()):
+                old.rmdir()

@@ -1,8 +1,8 @@
 """Read scalars back from a run's TensorBoard event files.
 
-A resumed job writes a new event file (often a new folder under `tb/`); steps
-it repeats after resuming from an earlier checkpoint replace the old values,
-so the merged series is what the run finally computed.
+Every start of a run writes a new event file into `<dump_folder>/tb` (one TensorBoard run per
+arm, see step_metrics.one_tensorboard_run); steps it repeats after resuming from an earlier
+checkpoint replace the old values, so the merged series is what the run finally computed.
 
     python -m mhar_titan.tensorboard_scalars RUN_DIR [--tag TAG]
 """
