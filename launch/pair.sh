@@ -56,6 +56,11 @@ arms=(control mhar)
 declare -A config_of=([control]="$control" [mhar]="$mhar")
 
 cmds=()  # one shell-quoted command per arm
+# W&B (when enabled): project mhar-titan (or $WANDB_PROJECT), the pair's name as the group, one run
+# per arm named control / mhar, each resumed on restart (launch/torchrun.sh derives its id from the
+# arm's folder; sbatch passes this environment on to the job).
+export WANDB_PROJECT="${WANDB_PROJECT:-mhar-titan}" WANDB_RUN_GROUP="$name"
+unset WANDB_RUN_ID WANDB_RUN_NAME  # one per arm, not one for both
 for arm in "${arms[@]}"; do
   if [[ $slurm -eq 1 ]]; then
     read -ra sbatch_args <<<"${SBATCH_ARGS:-}"

@@ -116,9 +116,20 @@ cmd=("$python" -m torch.distributed.run
   --local-ranks-filter=0 --role=rank --tee=3
   "$repo/train_cpt.py" --job.config_file "$config" "$@")
 
+# W&B (when [metrics] enable_wandb): one run per dump folder, resumed on every restart, named after
+# the folder; launch/pair.sh adds the pair's group. A WANDB_* variable set beforehand wins.
+case "$dump" in /*) abs_dump="$dump" ;; *) abs_dump="$PWD/$dump" ;; esac
+export WANDB_PROJECT="${WANDB_PROJECT:-mhar-titan}"
+run_name="${abs_dump%/}" && run_name="${run_name##*/}"
+sum=$(printf '%s' "$abs_dump" | cksum) && sum="${sum%% *}"
+export WANDB_RUN_NAME="${WANDB_RUN_NAME:-$run_name}"
+export WANDB_RUN_ID="${WANDB_RUN_ID:-${run_name//[^A-Za-z0-9_-]/_}-$sum}"
+export WANDB_RESUME="${WANDB_RESUME:-allow}"
+
 if [[ $dry_run -eq 1 ]]; then
   printf '%q ' "${cmd[@]}"; echo
   echo "# dump_folder: $dump" >&2
+  echo "# W&B, if enabled: project $WANDB_PROJECT, group ${WANDB_RUN_GROUP:-(none)}, run $WANDB_RUN_NAME, id $WANDB_RUN_ID" >&2
   echo "# on SIGTERM/SIGUSR1: touch $dump/STOP; exit $REQUEUE_EXIT_CODE if $dump/preempted.json is new, else torchrun's code" >&2
   exit 0
 fi

@@ -32,6 +32,7 @@ dump="" prev=""
 for a in "$@"; do [[ "$prev" != --job.dump_folder ]] || dump="$a"; prev="$a"; done
 mkdir -p "$dump"
 touch "$dump/launched"
+env | grep '^WANDB_' | sort > "$dump/wandb_env" || true
 case "$FAKE_MODE" in
   wait_stop)
     for _ in $(seq 400); do [[ -f "$dump/STOP" ]] && break; sleep 0.05; done
@@ -88,7 +89,7 @@ def _tools_without_python(tmp_path) -> str:
     """A PATH directory with the tools the launcher uses and no python: a clean login shell's view."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("bash", "dirname", "sed", "cat", "mkdir", "rm", "sleep", "date", "wc"):
+    for tool in ("bash", "dirname", "sed", "cat", "mkdir", "rm", "sleep", "date", "wc", "cksum"):
         found = shutil.which(tool)
         if found:
             (bin_dir / tool).symlink_to(found)
@@ -319,6 +320,19 @@ def test_pair_dry_run_prints_both_arms():
     assert "python -m mhar_titan.compare runs/NAME" in proc.stderr
 
 
+def test_wandb_runs_are_one_per_arm_grouped_by_pair_and_resumed():
+    def wandb_line(*args, env=None):
+        err = run(SCRIPT, "--dry-run", *args, env=env).stderr
+        return next(line for line in err.splitlines() if line.startswith("# W&B"))
+
+    control = wandb_line(CONTROL, "--job.dump_folder", "runs/P/control", env={"WANDB_RUN_GROUP": "P"})
+    again = wandb_line(CONTROL, "--job.dump_folder", "runs/P/control", env={"WANDB_RUN_GROUP": "P"})
+    mhar = wandb_line(MHAR, "--job.dump_folder", "runs/P/mhar", env={"WANDB_RUN_GROUP": "P"})
+    assert control == again  # the same id on every restart: W&B resumes the run
+    assert "project mhar-titan, group P, run control, id control-" in control and ", run mhar, id mhar-" in mhar
+    assert control.split("id ")[1] != mhar.split("id ")[1]
+
+
 def test_pair_dry_run_passes_nproc():
     proc = run(PAIR, "--dry-run", "--nproc", "2", "NAME", CONTROL, MHAR)
     assert all(line.split()[:3] == ["launch/torchrun.sh", "--nproc", "2"] for line in proc.stdout.splitlines())
@@ -380,9 +394,19 @@ def pair_name():
 
 
 def test_pair_runs_both_arms_in_order(fake_python, pair_name):
-    run(PAIR, "--nproc", "1", pair_name, CONTROL, MHAR, env={"PYTHON": fake_python, "FAKE_MODE": "exit0"})
+    env = {"PYTHON": fake_python, "FAKE_MODE": "exit0", "WANDB_RUN_ID": "one-for-both"}
+    run(PAIR, "--nproc", "1", pair_name, CONTROL, MHAR, env=env)
+    ids = set()
     for arm in ["control", "mhar"]:
         assert (REPO / "runs" / pair_name / arm / "launched").exists()
+        # W&B: the pair's group, a run per arm named after it (a WANDB_RUN_ID for both is dropped)
+        seen = dict(line.split("=", 1) for line in (REPO / "runs" / pair_name / arm / "wandb_env").read_text().split())
+        assert (
+            seen["WANDB_RUN_GROUP"] == pair_name and seen["WANDB_RUN_NAME"] == arm and seen["WANDB_RESUME"] == "allow"
+        )
+        assert seen["WANDB_PROJECT"] == "mhar-titan" and seen["WANDB_RUN_ID"].startswith(f"{arm}-")
+        ids.add(seen["WANDB_RUN_ID"])
+    assert len(ids) == 2
 
 
 def test_pair_stops_at_a_preempted_arm(fake_python, pair_name):
