@@ -437,7 +437,7 @@ def run(argv: list[str], trainer_cls: type[CPTTrainer] = CPTTrainer) -> None:
             trainer.checkpointer.save(curr_step=0, last_step=True)
             # A seed is weights to start from, not a run: no fingerprint; the job that trains it records one
             # (and compares its architecture with this).
-            trainer._write_model_args()
+            run_record.write_model_args(config, trainer.model_args)
             logger.info("Created seed checkpoint")
         else:
             trainer.train()

@@ -119,7 +119,13 @@ def record_start(job_config: JobConfig, model_args: Any, step: int, world_size: 
     start = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": step, "world_size": world_size}
     with open(os.path.join(folder, STARTS_FILE), "a") as f:
         f.write(json.dumps({**start, "commit": env["mhar_titan_commit"]}) + "\n")
+    write_model_args(job_config, model_args)
+
+
+def write_model_args(job_config: JobConfig, model_args: Any) -> None:
+    """model_args.json alone (also for a seed checkpoint, which is weights to start from, not a run)."""
     base = job_config.model.hf_assets_path
     base = base if "://" in base else os.path.abspath(base)  # tools may run from another directory
     info = {"hf_assets_path": base, "args": dataclasses.asdict(model_args)}
-    _atomic_write(os.path.join(folder, MODEL_ARGS_FILE), json.dumps(info, indent=2))
+    os.makedirs(job_config.job.dump_folder, exist_ok=True)
+    _atomic_write(os.path.join(job_config.job.dump_folder, MODEL_ARGS_FILE), json.dumps(info, indent=2))
