@@ -16,6 +16,7 @@ import ast
 import json
 import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -27,35 +28,10 @@ EOS = "<|end_of_text|>"
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__"}
 
 
-def stdlib_docstrings(min_chars: int = 200) -> list[tuple[str, str]]:
-    """(text, source) pairs; source is the top-level stdlib module or package."""
+def stdlib_modules() -> Iterator[tuple[str, ast.Module, str]]:
+    """(source text, its syntax tree, top-level module or package) of each standard-library file, in
+    sorted path order (test and tool folders left out; files that do not parse skipped)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    docs: list[tuple[str, str]] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-        for name in sorted(filenames):
-            if not name.endswith(".py"):
-                continue
-            path = Path(dirpath) / name
-            try:
-                tree = ast.parse(path.read_text(encoding="utf-8"))
-            except (SyntaxError, UnicodeDecodeError):
-                continue
-            source = path.relative_to(root).parts[0].removesuffix(".py")
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                    text = ast.get_docstring(node)
-                    if text and len(text) >= min_chars:
-                        docs.append((text, source))
-    return docs
-
-
-def stdlib_functions(min_chars: int = 300, max_chars: int = 1500, limit: int = 600_000) -> list[tuple[str, str]]:
-    """(source code, module) of the standard library's functions of min..max characters, in file
-    order, up to `limit` characters in all."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out: list[tuple[str, str]] = []
-    total = 0
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
         for name in sorted(filenames):
@@ -67,15 +43,35 @@ def stdlib_functions(min_chars: int = 300, max_chars: int = 1500, limit: int = 6
                 tree = ast.parse(text)
             except (SyntaxError, UnicodeDecodeError):
                 continue
-            module = path.relative_to(root).parts[0].removesuffix(".py")
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    code = ast.get_source_segment(text, node)
-                    if code and min_chars <= len(code) <= max_chars:
-                        out.append((code, module))
-                        total += len(code)
-                        if total >= limit:
-                            return out
+            yield text, tree, path.relative_to(root).parts[0].removesuffix(".py")
+
+
+def stdlib_docstrings(min_chars: int = 200) -> list[tuple[str, str]]:
+    """(text, source) pairs; source is the top-level stdlib module or package."""
+    docs: list[tuple[str, str]] = []
+    for _, tree, source in stdlib_modules():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                text = ast.get_docstring(node)
+                if text and len(text) >= min_chars:
+                    docs.append((text, source))
+    return docs
+
+
+def stdlib_functions(min_chars: int = 300, max_chars: int = 1500, limit: int = 600_000) -> list[tuple[str, str]]:
+    """(source code, module) of the standard library's functions of min..max characters, in file
+    order, up to `limit` characters in all."""
+    out: list[tuple[str, str]] = []
+    total = 0
+    for text, tree, module in stdlib_modules():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                code = ast.get_source_segment(text, node)
+                if code and min_chars <= len(code) <= max_chars:
+                    out.append((code, module))
+                    total += len(code)
+                    if total >= limit:
+                        return out
     return out
 
 
