@@ -16,6 +16,7 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.config import JobConfig
 
 from data.loader import Encoder, ParquetDataLoader, data_config, mixture_shares, source_shards
+from data.mixture import parse_validation_sets
 from data.shards import BadShardError, NoDataError
 from mhar_titan.config import parse_config
 
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     job = parse_config(["--job.config_file", args.config, *overrides])
     try:
         show(job, args)
-    except (NoDataError, BadShardError) as e:  # the message names the shards: no traceback needed
+    except (NoDataError, BadShardError, ValueError) as e:  # the message names the setting or shard
         sys.exit(f"data.preview: {type(e).__name__}: {e}")
 
 
@@ -59,6 +60,7 @@ def decode_marked(tokenizer: HuggingFaceTokenizer, ids: list[int]) -> str:
 
 def show(job: JobConfig, args: argparse.Namespace) -> None:
     cfg = data_config(job)
+    parse_validation_sets(cfg)  # a wrong set is named here, not only when training builds its validator
     tokenizer = HuggingFaceTokenizer(job.model.hf_assets_path)
     batch = job.training.local_batch_size
     loader = ParquetDataLoader(
