@@ -61,9 +61,9 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sources", type=int, default=8, help="caller sources (N - 1)")
-    parser.add_argument("--dim", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--dim", type=int, default=4096, help="model width d")
+    parser.add_argument("--heads", type=int, default=8, help="routing heads H")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the sources' dtype")
     args = parser.parse_args()
     n, d, h, m = args.sources, args.dim, args.heads, 8192
     p, f32 = f"*{args.dtype}", "*fp32"
@@ -73,21 +73,26 @@ def main() -> None:
         "X": p, "SRCS": (p,) * n, "DSRCS": (p,) * n, "NULL": p, "Q": p, "G": p, "GATE": p, "OUT": p,
         "DOUT": p, "W": f32, "COEF": f32, "PARTS": f32, "M": "i32", "eps": "fp32", "DOUTS": (p,) * calls,
         "COEFS": (f32,) * calls, "QS": (p,) * calls, "GS": (p,) * calls, "CSUMS": (f32,) * n, "RSTDS": (f32,) * n,
+        "NULL2": p, "Q2": p, "G2": p, "GATE2": p, "OUT2": p, "W2": f32, "DOUT2": p, "COEF2": f32, "PARTS2": f32,
     }  # fmt: skip
     print(f"sm_90, d={d}, H={h}, {n} sources, {args.dtype}")
     print("| kernel | launch | warps | registers | spill bytes |")
     print("|---|---|---|---|---|")
     kernels = [
-        ("fwd", route_fwd_kernel, DEFAULT_TABLES.fwd[n]),
-        ("stats", route_bwd_stats_kernel, DEFAULT_TABLES.stats[n]),
+        ("fwd", route_fwd_kernel, DEFAULT_TABLES.fwd[n], 1),
+        ("stats", route_bwd_stats_kernel, DEFAULT_TABLES.stats[n], 1),
+        ("fwd, 2 sites", route_fwd_kernel, DEFAULT_TABLES.fwd_pair[n], 2),
+        ("stats, 2 sites", route_bwd_stats_kernel, DEFAULT_TABLES.stats_pair[n], 2),
     ]
-    for name, fn, launch in kernels:
+    for name, fn, launch, sites in [k for k in kernels if k[2] is not None]:
         # as the model's eager path launches them: marked sources, their rstd given where the table says;
         # the forward without x (the model adds it in its compiled block)
         known = (1 << n) - 1 if launch["given_rstd"] else 0
-        has_x = False if name == "fwd" else None
+        has_x = False if fn is route_fwd_kernel else None
         for warps_per_4096 in sorted({4, 8, 16, launch["warps_per_4096"]}):
-            _, warps, consts = row_launch(m, d, h, n, itemsize, launch["rows"], warps_per_4096, True, known, has_x)
+            _, warps, consts = row_launch(
+                m, d, h, n, itemsize, launch["rows"], warps_per_4096, True, known, has_x, sites
+            )
             # the forward's register cap applies to its own launch shape only
             cap = launch.get("maxnreg") if warps_per_4096 == launch["warps_per_4096"] else None
             use = ptxas_usage(compile_sm90(fn, types, consts, warps, cap).asm["ptx"])

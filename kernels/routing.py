@@ -9,7 +9,8 @@ caller's sources (embedding, then completed block deltas) follow in order.
 Backends, named by the caller (`backend=`), each one code path:
 - `torch`: `route_torch`, the plain reference every other backend is tested against;
 - `triton`: the fused kernels through an eager autograd.Function (kernels/triton/autograd.py,
-  `route_eager`), which sums the gradients of sources marked with `routing_source` in place.
+  `route_eager`; `route_pair_eager` for two sites over the same sources, `mhar_route_pair`),
+  which sums the gradients of sources marked with `routing_source` in place.
   Inside a torch.compile graph it is `triton_op`: autograd.py declares that substitution once,
   with torch.compile's `substitute_in_graph` (the eager path cannot be traced), so per-block
   compiled training runs the custom op, and the same model run eagerly runs this path;
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.triton.autograd import route_eager, route_op
+from kernels.triton.autograd import route_eager, route_op, route_pair_eager
 from kernels.triton.launch import MAX_SOURCES as MAX_TRITON_SOURCES
 from kernels.triton.shared import share_source_grad
 
@@ -34,6 +35,7 @@ __all__ = [
     "MAX_TRITON_SOURCES",
     "compute_dtype",
     "mhar_route",
+    "mhar_route_pair",
     "mhar_route_with_weights",
     "resolve_backend",
     "route_torch",
@@ -171,3 +173,29 @@ def mhar_route(
         x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps, backend=backend
     )
     return out
+
+
+def mhar_route_pair(
+    sources: Sequence[torch.Tensor],
+    sites: Sequence[Sequence[torch.Tensor]],
+    *,
+    num_heads: int,
+    eps: float,
+    backend: str = "auto",
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """gate * R(sources) for two sites over the same sources (a layer's attention and MLP inputs),
+    with each site's routing weights [N, B, T, H]: `mhar_route_with_weights(None, ...)` per site,
+    computed together. Each site is (null, query, norm_weight, gate). With the triton backend one
+    forward pass and one backward stats pass read each source once for both sites."""
+    if len(sites) != 2 or any(len(site) != 4 for site in sites):
+        raise ValueError("mhar_route_pair takes two sites, each (null, query, norm_weight, gate)")
+    for site in sites:
+        _check(None, sources, site[1], num_heads)
+    backend = resolve_backend(backend, sources[0].device)
+    site_a, site_b = sites
+    if backend == "triton" and site_a[1].dtype == site_b[1].dtype:
+        out_dtype = compute_dtype(site_a[1])
+        return route_pair_eager(sources, site_a, site_b, num_heads=num_heads, eps=eps, out_dtype=out_dtype)
+    return [
+        mhar_route_with_weights(None, sources, *site, num_heads=num_heads, eps=eps, backend=backend) for site in sites
+    ]

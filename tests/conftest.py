@@ -13,6 +13,15 @@ REPO = Path(__file__).resolve().parents[1]
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import kernels.triton.launch as rt  # noqa: E402  (after TRITON_INTERPRET is set)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every buffer the routing kernels allocate starts as NaN, so an unwritten element shows."""
+    monkeypatch.setattr(rt, "empty", lambda *a, **k: torch.full(*a, float("nan"), **k))
+    monkeypatch.setattr(rt, "empty_like", lambda t: torch.full_like(t, float("nan")))
+
 
 def torchrun(
     dump_folder: Path,

@@ -1,12 +1,12 @@
-"""The kernel benchmark's microbatch harness, on CPU at a tiny size: its triton arm (calls as the
-model makes them, sources marked with routing_source, gradients summed in place) computes the
-gradients its eager arm computes (per-call checkpoints), and its forwards with and without grad
-compute the same outputs."""
+"""The kernel benchmark's microbatch harness, on CPU at a tiny size: its triton arms (calls as the
+model makes them, a layer's two sites in one pass or one call per site, sources marked with
+routing_source, gradients summed in place) compute the gradients its eager arm computes (per-call
+checkpoints), and its forwards with and without grad compute the same outputs."""
 
 import torch
 from test_routing_triton import condition_scales
 
-from benchmarks.bench_routing import Microbatch, route_fns
+from benchmarks.routing_cases import Microbatch, route_fns
 
 
 def test_microbatch_arms_compute_the_same_gradients():
@@ -14,16 +14,21 @@ def test_microbatch_arms_compute_the_same_gradients():
     mb = Microbatch(1, 3, 24, num_layers=4, num_blocks=2, device=device, dtype=torch.float32)
     fns = route_fns(8, 1e-5)
     grads = {}
-    for name, backend, wrapped in (("triton", "triton", False), ("eager", "torch", True)):
-        mb.forward_backward(fns[name], backend, keep_grads=True, wrapped=wrapped)
+    arms = (("triton", "triton", False, True), ("triton_site", "triton", False, False), ("eager", "torch", True, False))
+    for name, backend, wrapped, paired in arms:
+        mb.forward_backward(fns[name], backend, keep_grads=True, wrapped=wrapped, paired=paired)
         grads[name] = [t.grad.clone() for t in mb.leaves()]
-        mb.forward_backward(fns[name], backend, wrapped=wrapped)  # and without keep_grads: nothing is left behind
+        # and without keep_grads: nothing is left behind
+        mb.forward_backward(fns[name], backend, wrapped=wrapped, paired=paired)
         assert all(t.grad is None for t in mb.leaves())
     assert len(grads["triton"]) == 2 + 8 * 4  # two sources; per call four parameters
+    # a layer's two sites in one pass compute what one call each computes, bit for bit
+    for i, (a, b) in enumerate(zip(grads["triton"], grads["triton_site"], strict=True)):
+        assert torch.equal(a, b), f"leaf {i}"
     # the triton op keeps references to its inputs only: under a per-call checkpoint it is not
     # re-run, so the same kernels run in the same order and the gradients are bitwise the same
-    mb.forward_backward(fns["triton"], "triton", keep_grads=True, wrapped=True)
-    for i, (a, b) in enumerate(zip(mb.leaves(), grads["triton"], strict=True)):
+    mb.forward_backward(fns["triton_site"], "triton", keep_grads=True, wrapped=True)
+    for i, (a, b) in enumerate(zip(mb.leaves(), grads["triton_site"], strict=True)):
         assert torch.equal(a.grad, b), f"leaf {i}"
     # fp32: the two backends agree within test_routing_triton's bound, 1e-5 of the largest
     # element, or for the parameters of the conditioning scale of their sum over rows
@@ -38,7 +43,12 @@ def test_microbatch_arms_compute_the_same_gradients():
     # the no-grad forward launches the kernel directly: the same outputs as with grad on
     n, params = mb.calls[-1]
     with torch.no_grad():
-        fast = fns["triton"](*params, *mb.sources[:n])
-    assert torch.equal(fast, fns["triton"](*params, *mb.sources[:n]).detach())
-    mb.forward(fns["triton"])
-    mb.forward(fns["triton"], grad=True)
+        fast = fns["triton_site"](*params, *mb.sources[:n])
+    assert torch.equal(fast, fns["triton_site"](*params, *mb.sources[:n]).detach())
+    n, site_a, site_b = mb.layers()[-1]
+    with torch.no_grad():
+        fast = fns["triton"](site_a, site_b, *mb.sources[:n])
+    for a, b in zip(fast, fns["triton"](site_a, site_b, *mb.sources[:n]), strict=True):
+        assert torch.equal(a, b.detach())
+    mb.forward(fns["triton"], paired=True)
+    mb.forward(fns["triton"], grad=True, paired=True)

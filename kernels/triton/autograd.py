@@ -11,10 +11,14 @@
   nothing to unpack and never re-runs the forward, and it sums the gradients of sources marked
   with `shared.share_source_grad` in place.
 
+- `route_pair_eager`: `route_eager` for two sites over the same sources (a layer's two sites),
+  each source read once by one forward pass and one stats pass for both.
+
 Which path runs is the caller's choice, by function (or kernels.routing's backend name:
-"triton_op" for `route_op`, "triton" for `route_eager`). One rule is declared here, with
-torch.compile's `substitute_in_graph`: a graph that Dynamo traces through `route_eager` gets
-`route_op` in its place, since the eager path's autograd.Function and launcher cannot be traced.
+"triton_op" for `route_op`, "triton" for `route_eager` and `route_pair_eager`). One rule is
+declared here, with torch.compile's `substitute_in_graph`: a graph that Dynamo traces through
+`route_eager` (or `route_pair_eager`) gets `route_op` in its place, since the eager path's
+autograd.Function and launcher cannot be traced.
 """
 
 from __future__ import annotations
@@ -192,6 +196,80 @@ def route_eager(
     return _Route.apply(x, null, query, norm_weight, gate, num_heads, eps, tables, out_dtype, *sources)
 
 
+class _RoutePair(torch.autograd.Function):
+    """Two sites over the same sources (a layer's two sites): one forward pass and one stats pass
+    read each source once for both; otherwise `_Route`, twice."""
+
+    @staticmethod
+    def forward(ctx, num_heads, eps, tables, out_dtype, n_params, *inputs):
+        params, sources = inputs[:n_params], inputs[n_params:]
+        sites = (host.Site(*params[:4]), host.Site(*params[4:]))
+        ctx.slots = shared.grad_slots(sources)
+        rstds = _marked_rstds(sources, ctx.slots, eps, tables)
+        (out_a, w_a), (out_b, w_b) = host.forward_pair(sources, sites, num_heads, eps, tables, rstds, out_dtype)
+        ctx.num_heads, ctx.eps, ctx.rstds, ctx.tables = num_heads, eps, rstds, tables
+        ctx.inputs = inputs  # kept on ctx, not saved: as in _Route
+        ctx.versions = [t._version for t in inputs]
+        ctx.mark_non_differentiable(w_a, w_b)
+        ctx.set_materialize_grads(False)
+        return out_a, w_a, out_b, w_b
+
+    @staticmethod
+    def backward(ctx, grad_a, _gw_a, grad_b, _gw_b):
+        inputs = _unpack_inputs(ctx)
+        params, sources = inputs[:8], inputs[8:]
+        sites = (host.Site(*params[:4]), host.Site(*params[4:]))
+        rstds, ctx.rstds = ctx.rstds, None
+        nothing = (None,) * (5 + len(inputs))
+        reached = [(g, site) for g, site in zip((grad_a, grad_b), sites, strict=True) if g is not None]
+        if not reached:  # neither output reached the loss
+            return nothing
+        shared.check_open(ctx.slots)
+        if len(reached) == 2 and ctx.tables.stats_pair[len(sources)] is not None:
+            results = host.stats_pair((grad_a, grad_b), sources, sites, ctx.num_heads, ctx.eps, rstds, ctx.tables)
+        else:  # one site reached the loss, or two single-site passes are the faster (the table's None)
+            results = [host.stats(g, sources, *site, ctx.num_heads, ctx.eps, rstds, ctx.tables) for g, site in reached]
+        # the second site's first, as autograd would run two separate calls (the later one first):
+        # the sums come out in the same order, so bit for bit the same
+        calls = [r[0] for r in results][::-1]
+        if all(slot is not None for slot in ctx.slots):
+            for call in calls:
+                shared.mix_shared(call, sources, ctx.slots, ctx.num_heads, ctx.tables)
+            dsrcs = [None] * len(sources)
+        else:  # one mix pass serves several calls only over shared sources: one each, summed
+            dsrcs = host.mix(calls[:1], sources, ctx.slots, ctx.num_heads, ctx.tables)
+            for call in calls[1:]:
+                more = host.mix([call], sources, ctx.slots, ctx.num_heads, ctx.tables)
+                dsrcs = [a if a is None else a.add_(b) for a, b in zip(dsrcs, more, strict=True)]
+        grads = iter(r[1:] for r in results)
+        dparams = [next(grads) if g is not None else (None,) * 4 for g in (grad_a, grad_b)]
+        return (None,) * 5 + (*dparams[0], *dparams[1], *dsrcs)
+
+
+def route_pair_eager(
+    sources: Sequence[torch.Tensor],
+    site_a: Sequence[torch.Tensor],
+    site_b: Sequence[torch.Tensor],
+    *,
+    num_heads: int,
+    eps: float,
+    tables: LaunchTables | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two sites over the same sources through `_RoutePair`: per site (gate * R in `out_dtype`,
+    default its parameters'; routing weights [N, *shape[:-1], H] fp32). Each site is (null,
+    query, norm weight, gate). Without anything to differentiate the forward kernel is launched
+    directly, as in `route_eager`."""
+    tables = tables or DEFAULT_TABLES
+    params = (*site_a, *site_b)
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (*params, *sources)):
+        rstds = _marked_rstds(sources, shared.grad_slots(sources), eps, tables)
+        sites = (host.Site(*site_a), host.Site(*site_b))
+        return host.forward_pair(sources, sites, num_heads, eps, tables, rstds, out_dtype)
+    out_a, w_a, out_b, w_b = _RoutePair.apply(num_heads, eps, tables, out_dtype, len(params), *params, *sources)
+    return [(out_a, w_a), (out_b, w_b)]
+
+
 def _marked_rstds(sources, slots, eps: float, tables: LaunchTables) -> list[torch.Tensor | None]:
     """Each marked source's 1 / rms per row, for the row kernels: computed by the first call that
     reads it; None for unmarked sources."""
@@ -226,3 +304,20 @@ def _route_eager_in_graph(
     """What torch.compile traces in place of `route_eager`: `route_op`, one graph node (with the
     default launch tables, the only ones the custom op knows)."""
     return route_op(x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps, out_dtype=out_dtype)
+
+
+@torch.compiler.substitute_in_graph(route_pair_eager)
+def _route_pair_eager_in_graph(
+    sources: Sequence[torch.Tensor],
+    site_a: Sequence[torch.Tensor],
+    site_b: Sequence[torch.Tensor],
+    *,
+    num_heads: int,
+    eps: float,
+    tables: LaunchTables | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What torch.compile traces in place of `route_pair_eager`: `route_op` once per site."""
+    return [
+        route_op(None, sources, *site, num_heads=num_heads, eps=eps, out_dtype=out_dtype) for site in (site_a, site_b)
+    ]

@@ -21,6 +21,8 @@ from kernels.triton.tiles import (
     head_sum,
     head_sums2,
     head_sums3,
+    head_sums4,
+    head_sums5,
     load_raw,
     null_logit,
     param,
@@ -28,6 +30,71 @@ from kernels.triton.tiles import (
     row_tile_offsets,
     store,
 )
+
+
+@triton.jit
+def _stats_step(m, den, u, v, s, sd, lg, rstd):
+    """One source's turn in a site's online softmax, with the two running tiles U and V."""
+    m_new = tl.maximum(m, lg)
+    alpha = tl.exp(m - m_new)
+    e = tl.exp(lg - m_new)
+    den = den * alpha + e
+    er = e * rstd
+    u = u * alpha[:, None, None] + s * (er * sd)[:, None, None]
+    v = v * alpha[:, None, None] + s * er[:, None, None]
+    return m_new, den, u, v
+
+
+@triton.jit
+def _stats_row(
+    t, w0do, dl0, dgate, m, den, u, v, cs, lgs, rstds, z_logit, c0, do, gate, COEF, row, M, plane,
+    D: tl.constexpr, H: tl.constexpr, NUM_SRC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """A site's row, once every source is in: its sums over rows updated, its coefficients stored."""
+    nn = tl.arange(0, BLOCK_N)[None, :]
+    hw = tl.arange(0, BLOCK_H)[:, None]
+    inv = 1.0 / den
+    w0 = tl.exp(z_logit - m) * inv
+    dot = w0 * c0
+    for i in tl.static_range(NUM_SRC):
+        dot += tl.exp(lgs[i] - m) * inv * cs[i]
+    t += (gate * inv)[:, None, None] * (u - dot[:, None, None] * v)
+    w0do += (gate * w0)[:, None, None] * do
+    dl0 += gate * w0 * (c0 - dot)
+    dgate += dot
+    # gathered into [heads, sources] tiles, one store each: a store goes through shared
+    # memory (Triton coalesces it), so one per coefficient, not one per source
+    a_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+    b_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+    c_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+    for i in tl.static_range(NUM_SRC):
+        w = tl.exp(lgs[i] - m) * inv
+        dl = gate * w * (cs[i] - dot)
+        sel = nn == i
+        a_t = tl.where(sel, (gate * w)[:, None], a_t)
+        b_t = tl.where(sel, (dl * rstds[i])[:, None], b_t)
+        c_t = tl.where(sel, (dl * lgs[i] * (rstds[i] * rstds[i] / D))[:, None], c_t)
+    offs = nn * (M * H) + row * H + hw
+    valid = (nn < NUM_SRC) & (hw < H) & (row < M)
+    tl.store(COEF + offs, a_t, mask=valid)
+    tl.store(COEF + plane + offs, b_t, mask=valid)
+    tl.store(COEF + 2 * plane + offs, c_t, mask=valid)
+    return t, w0do, dl0, dgate
+
+
+@triton.jit
+def _store_partials(
+    PARTS, t, w0do, dl0, dgate, cols, mask, D: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr, EVEN: tl.constexpr
+):
+    """This program's sums over its rows, in its slot of the partials (_partials)."""
+    pid = tl.program_id(0)
+    hv = tl.arange(0, BLOCK_H)
+    T_PART, W0DO_PART, DL0_PART, DGATE_PART = _partials(PARTS, tl.num_programs(0), D, H)
+    part = pid.to(tl.int64) * D + cols
+    store(T_PART + part, t, mask, EVEN)
+    store(W0DO_PART + part, w0do, mask, EVEN)
+    tl.store(DL0_PART + pid * H + hv, dl0, mask=hv < H)
+    tl.store(DGATE_PART + pid, tl.sum(tl.where(hv < H, dgate, 0.0)))
 
 
 @triton.jit
@@ -41,6 +108,13 @@ def route_bwd_stats_kernel(
     GATE,
     COEF,
     PARTS,
+    DOUT2,
+    NULL2,
+    Q2,
+    G2,
+    GATE2,
+    COEF2,
+    PARTS2,
     M,
     eps,
     D: tl.constexpr,
@@ -55,6 +129,7 @@ def route_bwd_stats_kernel(
     EVEN: tl.constexpr,
     JOINT: tl.constexpr,
     KNOWN: tl.constexpr,
+    SITES: tl.constexpr,
 ):
     # Per row and head, with c_n = <dout_h, s_n,h>, a_n = <(q g)_h, s_n,h>, w = softmax_n(a_n rstd_n)
     # (null: its own logit), dot = sum_n w_n c_n, dl_n = gate w_n (c_n - dot):
@@ -68,25 +143,30 @@ def route_bwd_stats_kernel(
     # running tiles, U = sum_n rstd_n e_n c_n s_n and V = sum_n rstd_n e_n s_n, rescaled with
     # the online softmax's max as the forward's accumulator is: every source is read once.
     # Per-source statistics are tuples of per-head vectors, which cost a register each.
+    # SITES = 2: a second site over the same sources (DOUT2 .. PARTS2), each source read once for both.
     cols, mask = row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
-    hv = tl.arange(0, BLOCK_H)
-    nn = tl.arange(0, BLOCK_N)[None, :]
-    hw = hv[:, None]
     z_logit = null_logit(NULL, Q, G, cols, mask, D, eps, JOINT)
     gate = tl.load(GATE).to(tl.float32)
     plane = NUM_SRC * M * H
-
     t = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
     w0do = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
     dl0 = tl.zeros([BLOCK_H], tl.float32)
     dgate = tl.zeros([BLOCK_H], tl.float32)
-    pid = tl.program_id(0)
-    start = pid.to(tl.int64) * ROWS
+    if SITES > 1:
+        z_logit2 = null_logit(NULL2, Q2, G2, cols, mask, D, eps, JOINT)
+        gate2 = tl.load(GATE2).to(tl.float32)
+        t2 = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
+        w0do2 = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
+        dl02 = tl.zeros([BLOCK_H], tl.float32)
+        dgate2 = tl.zeros([BLOCK_H], tl.float32)
+    start = tl.program_id(0).to(tl.int64) * ROWS
     for r in range(ROWS):
         row = start + r
         row_mask = mask & (row < M)
         base = row * D
         do = load_raw(DOUT + base + cols, row_mask, EVEN).to(tl.float32)
+        if SITES > 1:
+            do2 = load_raw(DOUT2 + base + cols, row_mask, EVEN).to(tl.float32)
         # loads run two sources ahead of the reductions, as in the forward
         s_a = load_raw(SRCS[0] + base + cols, row_mask, EVEN)
         if NUM_SRC > 1:
@@ -97,6 +177,13 @@ def route_bwd_stats_kernel(
         v = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
         c0 = head_sum(do * param(NULL, cols, mask))
         cs, lgs, rstds = (), (), ()
+        if SITES > 1:
+            m2 = z_logit2
+            den2 = tl.full([BLOCK_H], 1.0, tl.float32)
+            u2 = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
+            v2 = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
+            c02 = head_sum(do2 * param(NULL2, cols, mask))
+            cs2, lgs2 = (), ()
         for i in tl.static_range(NUM_SRC):
             s = s_a.to(tl.float32)
             if i + 1 < NUM_SRC:
@@ -104,54 +191,38 @@ def route_bwd_stats_kernel(
             if i + 2 < NUM_SRC:
                 s_b = load_raw(SRCS[i + 2] + base + cols, row_mask, EVEN)
             qg = param(Q, cols, mask) * param(G, cols, mask)
-            if (KNOWN >> i) & 1:
+            if SITES > 1:
+                qg2 = param(Q2, cols, mask) * param(G2, cols, mask)
+                if (KNOWN >> i) & 1:
+                    sd, sq, sd2, sq2 = head_sums4(s * do, s * qg, s * do2, s * qg2, JOINT)
+                    rstd = row_rstd(RSTDS[i], row, M, EVEN)
+                else:
+                    ss, sd, sq, sd2, sq2 = head_sums5(s * s, s * do, s * qg, s * do2, s * qg2, JOINT)
+                    rstd = tl.rsqrt(tl.sum(ss) / D + eps)
+                lg2 = sq2 * rstd
+                m2, den2, u2, v2 = _stats_step(m2, den2, u2, v2, s, sd2, lg2, rstd)
+                cs2, lgs2 = cs2 + (sd2,), lgs2 + (lg2,)
+            elif (KNOWN >> i) & 1:
                 sd, sq = head_sums2(s * do, s * qg, JOINT)
                 rstd = row_rstd(RSTDS[i], row, M, EVEN)
             else:
                 ss, sd, sq = head_sums3(s * s, s * do, s * qg, JOINT)
                 rstd = tl.rsqrt(tl.sum(ss) / D + eps)
             lg = sq * rstd
-            m_new = tl.maximum(m, lg)
-            alpha = tl.exp(m - m_new)
-            e = tl.exp(lg - m_new)
-            den = den * alpha + e
-            er = e * rstd
-            u = u * alpha[:, None, None] + s * (er * sd)[:, None, None]
-            v = v * alpha[:, None, None] + s * er[:, None, None]
-            m = m_new
+            m, den, u, v = _stats_step(m, den, u, v, s, sd, lg, rstd)
             cs, lgs, rstds = cs + (sd,), lgs + (lg,), rstds + (rstd,)
-        inv = 1.0 / den
-        w0 = tl.exp(z_logit - m) * inv
-        dot = w0 * c0
-        for i in tl.static_range(NUM_SRC):
-            dot += tl.exp(lgs[i] - m) * inv * cs[i]
-        t += (gate * inv)[:, None, None] * (u - dot[:, None, None] * v)
-        w0do += (gate * w0)[:, None, None] * do
-        dl0 += gate * w0 * (c0 - dot)
-        dgate += dot
-        # gathered into [heads, sources] tiles, one store each: a store goes through shared
-        # memory (Triton coalesces it), so one per coefficient, not one per source
-        a_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-        b_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-        c_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-        for i in tl.static_range(NUM_SRC):
-            w = tl.exp(lgs[i] - m) * inv
-            dl = gate * w * (cs[i] - dot)
-            sel = nn == i
-            a_t = tl.where(sel, (gate * w)[:, None], a_t)
-            b_t = tl.where(sel, (dl * rstds[i])[:, None], b_t)
-            c_t = tl.where(sel, (dl * lgs[i] * (rstds[i] * rstds[i] / D))[:, None], c_t)
-        offs = nn * (M * H) + row * H + hw
-        valid = (nn < NUM_SRC) & (hw < H) & (row < M)
-        tl.store(COEF + offs, a_t, mask=valid)
-        tl.store(COEF + plane + offs, b_t, mask=valid)
-        tl.store(COEF + 2 * plane + offs, c_t, mask=valid)
-    T_PART, W0DO_PART, DL0_PART, DGATE_PART = _partials(PARTS, tl.num_programs(0), D, H)
-    part = pid.to(tl.int64) * D + cols
-    store(T_PART + part, t, mask, EVEN)
-    store(W0DO_PART + part, w0do, mask, EVEN)
-    tl.store(DL0_PART + pid * H + hv, dl0, mask=hv < H)
-    tl.store(DGATE_PART + pid, tl.sum(tl.where(hv < H, dgate, 0.0)))
+        t, w0do, dl0, dgate = _stats_row(
+            t, w0do, dl0, dgate, m, den, u, v, cs, lgs, rstds, z_logit, c0, do, gate, COEF, row, M, plane,
+            D, H, NUM_SRC, BLOCK_H, BLOCK_N,
+        )  # fmt: skip
+        if SITES > 1:
+            t2, w0do2, dl02, dgate2 = _stats_row(
+                t2, w0do2, dl02, dgate2, m2, den2, u2, v2, cs2, lgs2, rstds, z_logit2, c02, do2, gate2, COEF2, row,
+                M, plane, D, H, NUM_SRC, BLOCK_H, BLOCK_N,
+            )  # fmt: skip
+    _store_partials(PARTS, t, w0do, dl0, dgate, cols, mask, D, H, BLOCK_H, EVEN)
+    if SITES > 1:
+        _store_partials(PARTS2, t2, w0do2, dl02, dgate2, cols, mask, D, H, BLOCK_H, EVEN)
 
 
 @triton.jit

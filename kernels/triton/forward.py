@@ -4,13 +4,24 @@ Forward: one pass over the sources per token row, all heads at once; online soft
 full-width RMS norm fused (or a marked source's 1 / rms read, computed once for all its
 calls), fp32 statistics, the null source read as one vector. Writes the routing weights
 [N, M, H] (fp32) beside the output, which is x + gate * R, or gate * R alone without x (the
-model adds x inside its compiled block, where the add is free).
+model adds x inside its compiled block, where the add is free). Two sites over the same
+sources (a layer's attention and MLP inputs) share one pass: each source is read once for both.
 """
 
 import triton
 import triton.language as tl
 
-from kernels.triton.tiles import head_sum, head_sums2, load_raw, null_logit, param, row_rstd, row_tile_offsets, store
+from kernels.triton.tiles import (
+    head_sum,
+    head_sums2,
+    head_sums3,
+    load_raw,
+    null_logit,
+    param,
+    row_rstd,
+    row_tile_offsets,
+    store,
+)
 
 
 @triton.jit
@@ -29,6 +40,27 @@ def source_rstd_kernel(SRC, RSTD, M, eps, D: tl.constexpr, BLOCK_R: tl.constexpr
 
 
 @triton.jit
+def _softmax_step(m, den, acc, logits, lg, s, nn, i: tl.constexpr):
+    """One source's turn in a site's online softmax: the running max, denominator and
+    accumulator rescaled, the source's logit kept for the weights."""
+    m_new = tl.maximum(m, lg)
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(lg - m_new)
+    den = den * alpha + p
+    acc = acc * alpha[:, None, None] + s * p[:, None, None]
+    logits = tl.where(nn == i + 1, lg[:, None], logits)
+    return m_new, den, acc, logits
+
+
+@triton.jit
+def _site_result(acc, m, den, logits, z_logit, NULL, gate, cols, mask):
+    """A site's gate * R and routing weights once every source is in: the null source enters
+    the accumulator last, so its tile is not held in registers across the loop."""
+    acc += tl.exp(z_logit - m)[:, None, None] * param(NULL, cols, mask)
+    return gate * (acc / den[:, None, None]), tl.exp(logits - m[:, None]) / den[:, None]
+
+
+@triton.jit
 def route_fwd_kernel(
     X,
     SRCS,
@@ -39,6 +71,12 @@ def route_fwd_kernel(
     GATE,
     OUT,
     W,
+    NULL2,
+    Q2,
+    G2,
+    GATE2,
+    OUT2,
+    W2,
     M,
     eps,
     D: tl.constexpr,
@@ -54,9 +92,11 @@ def route_fwd_kernel(
     JOINT: tl.constexpr,
     KNOWN: tl.constexpr,
     HAS_X: tl.constexpr,
+    SITES: tl.constexpr,
 ):
     # KNOWN: bit i set if source i's 1 / rms per row is given (RSTDS[i]); HAS_X: add x (X) to the
-    # output, else write gate * R alone (X is not read).
+    # output, else write gate * R alone (X is not read). SITES = 2: a second site over the same
+    # sources (NULL2 .. W2; the two sites of a layer), each source loaded once for both; without x.
     cols, mask = row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
     # per-source statistics as [heads, sources] tiles, laid out as the heads' sums come
     nn = tl.arange(0, BLOCK_N)[None, :]
@@ -64,6 +104,9 @@ def route_fwd_kernel(
     w_mask = (nn < NUM_SRC + 1) & (hw < H)
     z_logit = null_logit(NULL, Q, G, cols, mask, D, eps, JOINT)
     gate = tl.load(GATE).to(tl.float32)
+    if SITES > 1:
+        z_logit2 = null_logit(NULL2, Q2, G2, cols, mask, D, eps, JOINT)
+        gate2 = tl.load(GATE2).to(tl.float32)
 
     start = tl.program_id(0).to(tl.int64) * ROWS
     for r in range(ROWS):
@@ -71,12 +114,16 @@ def route_fwd_kernel(
         row_mask = mask & (row < M)
         base = row * D
         # Online softmax over [null, sources...] per head. The null source enters the
-        # running max and denominator from the start but the accumulator only at the
-        # end, so its tile is not held in registers across the loop.
+        # running max and denominator from the start, the accumulator at the end.
         m = z_logit
         den = tl.full([BLOCK_H], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
         logits = tl.where(nn == 0, z_logit[:, None], 0.0)
+        if SITES > 1:
+            m2 = z_logit2
+            den2 = tl.full([BLOCK_H], 1.0, tl.float32)
+            acc2 = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
+            logits2 = tl.where(nn == 0, z_logit2[:, None], 0.0)
         # Loads run two sources ahead (then x, if added), so they overlap the reductions of
         # the previous two: s_a is the tile in use next, s_b the one after it.
         s_a = load_raw(SRCS[0] + base + cols, row_mask, EVEN)
@@ -93,22 +140,29 @@ def route_fwd_kernel(
             elif i + 2 == NUM_SRC and HAS_X:
                 s_b = load_raw(X + base + cols, row_mask, EVEN)
             qg = param(Q, cols, mask) * param(G, cols, mask)
-            if (KNOWN >> i) & 1:
+            if SITES > 1:
+                qg2 = param(Q2, cols, mask) * param(G2, cols, mask)
+                if (KNOWN >> i) & 1:
+                    sq, sq2 = head_sums2(s * qg, s * qg2, JOINT)
+                    rstd = row_rstd(RSTDS[i], row, M, EVEN)
+                else:
+                    ss, sq, sq2 = head_sums3(s * s, s * qg, s * qg2, JOINT)
+                    rstd = tl.rsqrt(tl.sum(ss) / D + eps)
+                m2, den2, acc2, logits2 = _softmax_step(m2, den2, acc2, logits2, sq2 * rstd, s, nn, i)
+                lg = sq * rstd
+            elif (KNOWN >> i) & 1:
                 lg = head_sum(s * qg) * row_rstd(RSTDS[i], row, M, EVEN)
             else:
                 ss, sq = head_sums2(s * s, s * qg, JOINT)
                 lg = sq * tl.rsqrt(tl.sum(ss) / D + eps)
-            m_new = tl.maximum(m, lg)
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(lg - m_new)
-            den = den * alpha + p
-            acc = acc * alpha[:, None, None] + s * p[:, None, None]
-            m = m_new
-            logits = tl.where(nn == i + 1, lg[:, None], logits)
-        acc += tl.exp(z_logit - m)[:, None, None] * param(NULL, cols, mask)
-        routed = gate * (acc / den[:, None, None])
+            m, den, acc, logits = _softmax_step(m, den, acc, logits, lg, s, nn, i)
+        routed, w = _site_result(acc, m, den, logits, z_logit, NULL, gate, cols, mask)
         if HAS_X:
             routed += s_a.to(tl.float32)  # s_a holds x by now
         store(OUT + base + cols, routed, row_mask, EVEN)
-        w = tl.exp(logits - m[:, None]) / den[:, None]
-        tl.store(W + nn * (M * H) + row * H + hw, w, mask=w_mask & (row < M))
+        w_offs = nn * (M * H) + row * H + hw
+        tl.store(W + w_offs, w, mask=w_mask & (row < M))
+        if SITES > 1:
+            routed2, w2 = _site_result(acc2, m2, den2, logits2, z_logit2, NULL2, gate2, cols, mask)
+            store(OUT2 + base + cols, routed2, row_mask, EVEN)
+            tl.store(W2 + w_offs, w2, mask=w_mask & (row < M))

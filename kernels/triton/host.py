@@ -42,6 +42,15 @@ def source_rstd(source: torch.Tensor, eps: float, tables: LaunchTables = DEFAULT
     return rstd
 
 
+class Site(NamedTuple):
+    """One routing site's parameters: null source, query, norm weight, gate."""
+
+    null: torch.Tensor
+    query: torch.Tensor
+    norm_weight: torch.Tensor
+    gate: torch.Tensor
+
+
 def forward(
     x: torch.Tensor | None,
     sources: Sequence[torch.Tensor],
@@ -58,29 +67,54 @@ def forward(
     """The forward kernel: (x + gate * R in x's dtype, or gate * R in `out_dtype` (default: the
     parameters') when x is None; routing weights [N, *shape[:-1], H] fp32). `rstds`: per source
     its 1 / rms per row where known, else None."""
+    return _forward(x, sources, (Site(null, query, norm_weight, gate),), num_heads, eps, tables, rstds, out_dtype)[0]
+
+
+def forward_pair(
+    sources: Sequence[torch.Tensor],
+    sites: Sequence[Site],
+    num_heads: int,
+    eps: float,
+    tables: LaunchTables = DEFAULT_TABLES,
+    rstds: Sequence[torch.Tensor | None] = (),
+    out_dtype: torch.dtype | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two sites over the same sources in one pass (each source read once): per site (gate * R in
+    `out_dtype`, default its parameters', and its routing weights), as `forward` without x."""
+    if len(sites) != 2:
+        raise ValueError(f"forward_pair routes two sites, got {len(sites)}")
+    return _forward(None, sources, tuple(sites), num_heads, eps, tables, rstds, out_dtype)
+
+
+def _forward(x, sources, sites, num_heads, eps, tables, rstds, out_dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     check_inputs(x, sources)
     srcs = tuple(s.contiguous() for s in sources)
     d = srcs[0].shape[-1]
     m = srcs[0].numel() // d
     xs = srcs[0] if x is None else x.contiguous()  # not read without x
-    out = (
+    outs = [
         launch.empty_like(xs)
         if x is not None
-        else launch.empty(xs.shape, device=xs.device, dtype=out_dtype or query.dtype)
-    )
-    weights = launch.empty((len(srcs) + 1, *srcs[0].shape[:-1], num_heads), device=xs.device, dtype=torch.float32)
+        else launch.empty(xs.shape, device=xs.device, dtype=out_dtype or site.query.dtype)
+        for site in sites
+    ]
+    w_shape = (len(srcs) + 1, *srcs[0].shape[:-1], num_heads)
+    weights = [launch.empty(w_shape, device=xs.device, dtype=torch.float32) for _ in sites]
     interp = interpreting()
-    shape = tables.fwd[len(srcs)]
+    shape = (tables.fwd if len(sites) == 1 else tables.fwd_pair)[len(srcs)]
     rows = cpu_rows(m) if interp else shape["rows"]
-    known, rstd_ptrs = _known_rstds(rstds if shape["given_rstd"] else (), len(srcs), weights)
+    known, rstd_ptrs = _known_rstds(rstds if shape["given_rstd"] else (), len(srcs), weights[0])
     grid, warps, consts = launch.row_launch(
-        m, d, num_heads, len(srcs), xs.element_size(), rows, shape["warps_per_4096"], not interp, known, x is not None
-    )
-    params = (null.contiguous(), query.contiguous(), norm_weight.contiguous(), gate.contiguous())
+        m, d, num_heads, len(srcs), xs.element_size(), rows, shape["warps_per_4096"], not interp, known, x is not None,
+        len(sites),
+    )  # fmt: skip
+    params = [tuple(t.contiguous() for t in site) for site in sites]
+    second = (*params[-1], outs[-1], weights[-1])  # not read with one site
     launch.fwd_launcher(
-        grid, warps, consts, xs, srcs, rstd_ptrs, *params, out, weights, m, eps, maxnreg=shape["maxnreg"]
-    )
-    return out, weights
+        grid, warps, consts, xs, srcs, rstd_ptrs, *params[0], outs[0], weights[0], *second, m, eps,
+        maxnreg=shape["maxnreg"],
+    )  # fmt: skip
+    return list(zip(outs, weights, strict=True))
 
 
 class MixCall(NamedTuple):
@@ -107,30 +141,58 @@ def stats(
     """One call's backward up to its sources' gradients: the stats and finishing kernels give
     the site's parameter gradients and the coefficients the mix kernel turns into the sources'.
     `rstds`: per source its 1 / rms per row where known (source_rstd), else None."""
-    check_inputs(grad_out, sources)
-    d = grad_out.shape[-1]
-    m = grad_out.numel() // d
+    site = Site(null, query, norm_weight, gate)
+    return _stats((grad_out,), sources, (site,), num_heads, eps, rstds, tables)[0]
+
+
+def stats_pair(
+    grad_outs: Sequence[torch.Tensor],
+    sources: Sequence[torch.Tensor],
+    sites: Sequence[Site],
+    num_heads: int,
+    eps: float,
+    rstds: Sequence[torch.Tensor | None] = (),
+    tables: LaunchTables = DEFAULT_TABLES,
+) -> list[tuple[MixCall, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`stats` for two sites over the same sources in one pass (each source read once), per site."""
+    if len(sites) != 2 or len(grad_outs) != 2:
+        raise ValueError(f"stats_pair takes two sites and two output gradients, got {len(sites)}, {len(grad_outs)}")
+    return _stats(grad_outs, sources, tuple(sites), num_heads, eps, rstds, tables)
+
+
+def _stats(grad_outs, sources, sites, num_heads, eps, rstds, tables) -> list[tuple]:
+    check_inputs(grad_outs[0], sources)
+    d = grad_outs[0].shape[-1]
+    m = grad_outs[0].numel() // d
     n = len(sources)
-    dout = grad_out.contiguous()
+    douts = [g.contiguous() for g in grad_outs]
     srcs = tuple(s.contiguous() for s in sources)
-    z, q, g, gate = (t.contiguous() for t in (null, query, norm_weight, gate))
+    params = [Site(*(t.contiguous() for t in site)) for site in sites]
     interp = interpreting()
-    shape = tables.stats[n]
+    shape = (tables.stats if len(sites) == 1 else tables.stats_pair)[n]
     rows = cpu_rows(m) if interp else shape["rows"]
     parts = cdiv(m, rows)
-    # One allocation: the coefficients [3, N, m, H], then the per-program partials.
+    # One allocation per site: the coefficients [3, N, m, H], then the per-program partials.
     coef_size = 3 * n * m * num_heads
-    work = launch.empty((coef_size + parts * (2 * d + num_heads + 1),), device=dout.device, dtype=torch.float32)
-    known, rstd_ptrs = _known_rstds(rstds if shape["given_rstd"] else (), n, work)
+    works = [
+        launch.empty((coef_size + parts * (2 * d + num_heads + 1),), device=douts[0].device, dtype=torch.float32)
+        for _ in sites
+    ]
+    known, rstd_ptrs = _known_rstds(rstds if shape["given_rstd"] else (), n, works[0])
     grid, warps, consts = launch.row_launch(
-        m, d, num_heads, n, dout.element_size(), rows, shape["warps_per_4096"], not interp, known
+        m, d, num_heads, n, douts[0].element_size(), rows, shape["warps_per_4096"], not interp, known, None, len(sites)
     )
     cap = None if interp else shape["maxnreg"]
-    launch.stats_launcher(
-        grid, warps, consts, dout, srcs, rstd_ptrs, z, q, g, gate, work, work[coef_size:], m, eps, maxnreg=cap
-    )
-    dz, dq, dg, dgate = finish_param_grads(work[coef_size:], parts, z, q, g, gate, num_heads, eps, tables)
-    return MixCall(dout, work[:coef_size], q, g), dz, dq, dg, dgate
+    per_site = [
+        (dout, *site, work[:coef_size], work[coef_size:]) for dout, site, work in zip(douts, params, works, strict=True)
+    ]
+    first, last = per_site[0], per_site[-1]  # the second site's arguments are not read with one site
+    launch.stats_launcher(grid, warps, consts, first[0], srcs, rstd_ptrs, *first[1:], *last, m, eps, maxnreg=cap)
+    results = []
+    for dout, site, work in zip(douts, params, works, strict=True):
+        grads = finish_param_grads(work[coef_size:], parts, *site, num_heads, eps, tables)
+        results.append((MixCall(dout, work[:coef_size], site.query, site.norm_weight), *grads))
+    return results
 
 
 def finish_param_grads(

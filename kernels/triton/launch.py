@@ -54,6 +54,13 @@ FWD = {
 STATS = {
     n: {"rows": 32, "warps_per_4096": 8, "maxnreg": 128 if n <= 3 else None, "given_rstd": n not in (5, 6)} for n in FWD
 }
+# Two sites over the same sources in one pass (a layer's two sites: host.forward_pair, stats_pair).
+# STATS_PAIR None: two single-site stats passes instead (at 7 and 8 sources the two-site pass,
+# at 255 registers, was slower than two single ones; 16 warps, 128 registers with spills: 2.6x slower).
+FWD_PAIR = {n: {"rows": 2, "warps_per_4096": 8, "maxnreg": 128, "given_rstd": True} for n in FWD}
+STATS_PAIR = {
+    n: {"rows": 32, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True} if n <= 6 else None for n in FWD
+}
 MIX = {"block_m": 32, "block_kc": 64, "warps": 4, "calls": 4}  # calls: most calls one pass serves
 NORM = {"block_m": 32, "block_d": 128, "warps": 4}
 RSTD = {"block_r": 4, "block_c": 1024, "warps": 4}
@@ -62,11 +69,13 @@ FINISH = {"block_c": 32, "block_p": 256, "warps": 8}  # columns per program, par
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LaunchTables:
-    """Every kernel's launch shapes: `fwd` and `stats` keyed by the number of caller sources
-    (1..MAX_SOURCES), the others one shape each (the keys of the module's tables)."""
+    """Every kernel's launch shapes: `fwd`, `stats` and their two-site forms keyed by the number of
+    caller sources (1..MAX_SOURCES), the others one shape each (the keys of the module's tables)."""
 
     fwd: Mapping[int, Mapping] = dataclasses.field(default_factory=lambda: FWD)
     stats: Mapping[int, Mapping] = dataclasses.field(default_factory=lambda: STATS)
+    fwd_pair: Mapping[int, Mapping] = dataclasses.field(default_factory=lambda: FWD_PAIR)
+    stats_pair: Mapping[int, Mapping] = dataclasses.field(default_factory=lambda: STATS_PAIR)
     mix: Mapping = dataclasses.field(default_factory=lambda: MIX)
     norm: Mapping = dataclasses.field(default_factory=lambda: NORM)
     rstd: Mapping = dataclasses.field(default_factory=lambda: RSTD)
@@ -78,8 +87,8 @@ class LaunchTables:
         merged = {}
         for name, change in changes.items():
             current = getattr(self, name)
-            if name in ("fwd", "stats"):
-                merged[name] = {**current, **{n: {**current[n], **shape} for n, shape in change.items()}}
+            if name in ("fwd", "stats", "fwd_pair", "stats_pair"):
+                merged[name] = {**current, **{n: {**(current[n] or {}), **shape} for n, shape in change.items()}}
             else:
                 merged[name] = {**current, **change}
         return dataclasses.replace(self, **merged)
@@ -202,11 +211,12 @@ def row_launch(
     joint: bool = True,
     known: int | None = None,
     has_x: bool | None = None,
+    sites: int | None = None,
 ) -> tuple:
     """(grid, num_warps, constexprs) of a row kernel over itemsize-byte elements; cached per
     shape, since computing it costs more Python time per call than launching the kernel.
     `known`: bit i set if source i's rstd is given (RSTDS[i]); `has_x`, for the forward: whether
-    the output adds x."""
+    the output adds x; `sites`: 1, or 2 for two sites over the same sources."""
     k = d // num_heads
     exact = m % rows == 0 and pow2(num_heads) == num_heads and pow2(k) == k
     consts = {
@@ -222,6 +232,7 @@ def row_launch(
         "JOINT": joint,
         **({} if known is None else {"KNOWN": known}),
         **({} if has_x is None else {"HAS_X": has_x}),
+        **({} if sites is None else {"SITES": sites}),
     }
     warps = max(1, min(16, pow2(cdiv(d * warps_per_4096, 4096))))
     return (cdiv(m, rows),), warps, consts

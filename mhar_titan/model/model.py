@@ -15,7 +15,7 @@ from torch import nn
 from torchtitan.models.llama3.model.model import Transformer, TransformerBlock
 from torchtitan.protocols.model import AttentionMasksType
 
-from kernels.routing import mhar_route_with_weights, routing_source
+from kernels.routing import mhar_route_pair, mhar_route_with_weights, resolve_backend, routing_source
 from mhar_titan.model.args import MHARModelArgs
 
 # Columns of the per-site statistics each block returns (see RoutingSite.stats).
@@ -55,6 +55,10 @@ class RoutingSite(nn.Module):
             eps=self.eps,
             backend=self.backend,
         )
+
+    def params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(null, query, norm weight, gate), as the routing op takes a site."""
+        return self.null, self.query, self.norm_weight, self.gate
 
     @torch.no_grad()
     def stats(self, weights: torch.Tensor) -> torch.Tensor:
@@ -131,14 +135,23 @@ class MHARBlock(TransformerBlock):
         if sources is None:
             return super().forward(x, freqs_cis, attention_masks, positions)
         assert self.attn_routing is not None and self.ffn_routing is not None
-        routed_attn, attn_weights = self.attn_routing(sources)
-        routed_ffn, ffn_weights = self.ffn_routing(sources)
+        (routed_attn, attn_weights), (routed_ffn, ffn_weights) = self.route(sources)
         out, delta = self.body(x, routed_attn, routed_ffn, freqs_cis, attention_masks, positions)
         if not want_stats:
             return out, delta, None
         # here, inside the block's forward, where FSDP has gathered the gates
         stats = torch.stack([self.attn_routing.stats(attn_weights), self.ffn_routing.stats(ffn_weights)])
         return out, delta, stats
+
+    def route(self, sources: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Both sites' (gate * R, routing weights). They read the same sources: the fused kernels
+        route them together, reading each source once for both; the torch reference goes site by
+        site, through the site modules parallelize.py checkpoints and compiles one by one."""
+        site_a, site_b = self.attn_routing, self.ffn_routing
+        if resolve_backend(site_a.backend, sources[0].device) == "torch":
+            return [site_a(sources), site_b(sources)]
+        pair = (site_a.params(), site_b.params())
+        return mhar_route_pair(sources, pair, num_heads=site_a.num_heads, eps=site_a.eps, backend=site_a.backend)
 
     def init_weights(self):
         super().init_weights()

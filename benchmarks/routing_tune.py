@@ -1,0 +1,176 @@
+"""`python -m benchmarks.bench_routing --tune`: launch shapes of the routing kernels timed at the 8B width.
+
+Each shape is passed to the kernels' host wrappers as a `LaunchTables` argument; the tables in
+kernels/triton/launch.py hold the winners (docs/performance.md has the runs).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from triton.testing import do_bench
+
+from benchmarks.routing_cases import DTYPE, Microbatch, route_fns
+from kernels import MAX_TRITON_SOURCES
+from kernels.triton.host import (
+    Site,
+    backward,
+    finish_param_grads,
+    forward,
+    forward_pair,
+    source_rstd,
+    stats,
+    stats_pair,
+)
+from kernels.triton.launch import DEFAULT_TABLES, LaunchTables
+
+
+def tune(args, bw: float) -> None:
+    """Time launch shapes of each kernel at the 8B width: the forward alone for every number of
+    caller sources (its table is keyed by it), and the whole backward while one of its kernels'
+    shapes varies, at 2 and 8 caller sources. GPU time of back-to-back calls (Triton's do_bench),
+    so the Python launch cost of one call, which CUDA events around it would include, is not.
+    Each shape is passed to the kernels' host wrappers as a `LaunchTables` argument."""
+    dev = {"device": "cuda", "dtype": DTYPE}
+    d = args.dim
+    x = torch.randn(args.batch, args.seq, d, **dev)
+    z, q, g = (0.5 * torch.randn(d, **dev) for _ in range(3))
+    gate = torch.randn(1, **dev)
+    dout = torch.randn_like(x)
+    unit = x.numel() * x.element_size()
+    kernels = args.tune.split(",")
+    print("| kernel | sources | launch | ms | bytes / ms vs copy bw |")
+    print("|---|---|---|---|---|")
+
+    def fwd(srcs: list[torch.Tensor], tables: LaunchTables, label: str, rstds=()) -> None:
+        # as the model calls it: gate * R, without x; `rstds`: the sources' norms, given or not
+        ms = do_bench(lambda: forward(None, srcs, z, q, g, gate, args.heads, 1e-5, tables, rstds), warmup=10, rep=50)
+        print(f"| fwd | {len(srcs)} | {label} | {ms:.3f} | {(len(srcs) + 1) * unit / (ms * 1e-3) / bw:.0%} |")
+
+    def bwd(srcs: list[torch.Tensor], tables: LaunchTables, label: str) -> None:
+        ms = do_bench(lambda: backward(dout, srcs, z, q, g, gate, args.heads, 1e-5, tables), warmup=10, rep=50)
+        nbytes = (2 + 3 * len(srcs)) * unit  # dout twice, each source twice, each gradient once
+        print(f"| bwd | {len(srcs)} | {label} | {ms:.3f} | {nbytes / (ms * 1e-3) / bw:.0%} |")
+
+    for n in range(1, MAX_TRITON_SOURCES + 1) if "fwd" in kernels else ():
+        srcs = [torch.randn_like(x) for _ in range(n)]
+        rstds = [source_rstd(s, 1e-5) for s in srcs]  # as for sources marked with routing_source
+        for given in (False, True):
+            for rows, warps, maxnreg in [
+                (1, 4, None),
+                (1, 8, None),
+                (2, 4, None),
+                (2, 8, None),
+                (2, 8, 80),
+                (2, 16, None),
+                (4, 8, None),
+            ]:
+                shape = {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg, "given_rstd": given}
+                tables = DEFAULT_TABLES.replace(fwd={n: shape})
+                how = "given" if given else "computed"
+                label = f"rows {rows}, {warps} warps, registers <= {maxnreg or 'any'}, rstd {how}"
+                fwd(srcs, tables, label, rstds)
+    for n in range(1, MAX_TRITON_SOURCES + 1) if "fwd_rstd" in kernels else ():
+        # the default shapes only, norms given or computed
+        srcs = [torch.randn_like(x) for _ in range(n)]
+        rstds = [source_rstd(s, 1e-5) for s in srcs]
+        for given in (False, True):
+            tables = DEFAULT_TABLES.replace(fwd={n: {"given_rstd": given}})
+            fwd(srcs, tables, f"default shape, rstd {'given' if given else 'computed'}", rstds)
+    for n in (2, 8) if "bwd" in kernels else ():
+        srcs = [torch.randn_like(x) for _ in range(n)]
+        for rows, warps, maxnreg in itertools.product((16, 32, 64), (8, 16), (None, 128)):
+            tables = DEFAULT_TABLES.replace(stats={n: {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg}})
+            bwd(srcs, tables, f"stats rows {rows}, {warps} warps, registers <= {maxnreg or 'any'}")
+        for block_m, block_kc, warps in [(16, 64, 4), (32, 64, 4), (16, 128, 4), (32, 128, 8)]:
+            tables = DEFAULT_TABLES.replace(mix={"block_m": block_m, "block_kc": block_kc, "warps": warps})
+            bwd(srcs, tables, f"mix {block_m}x{block_kc}, {warps} warps")
+    for n in range(1, MAX_TRITON_SOURCES + 1) if "stats" in kernels else ():
+        # the stats and finishing kernels alone (what a call's backward runs before its mix)
+        srcs = [torch.randn_like(x) for _ in range(n)]
+        rstds = [source_rstd(s, 1e-5) for s in srcs]  # as for sources marked with routing_source
+        for given, maxnreg in itertools.product((False, True), (None, 128, 168)):
+            tables = DEFAULT_TABLES.replace(stats={n: {"maxnreg": maxnreg, "given_rstd": given}})
+            ms = do_bench(
+                lambda srcs=srcs, rstds=rstds, tables=tables: stats(
+                    dout, srcs, z, q, g, gate, args.heads, 1e-5, rstds, tables
+                ),
+                warmup=10,
+                rep=50,
+            )
+            label = (
+                f"rows {tables.stats[n]['rows']}, registers <= {maxnreg or 'any'}, "
+                f"rstd {'given' if given else 'computed'}"
+            )
+            print(f"| stats | {n} | {label} | {ms:.3f} | {(n + 1) * unit / (ms * 1e-3) / bw:.0%} |")
+    for n in PAIR_SOURCES if "pair" in kernels else ():
+        tune_pair(args, bw, n, dout, [(z, q, g, gate), (q, g, z, 2 * gate)])
+    if "group" in kernels:
+        # calls per mix pass: the microbatch's triton loop without the wrapper, GPU-bound in its backward
+        mb = Microbatch(args.batch, args.seq, d, args.layers, args.blocks)
+        for calls in (1, 2, 4):
+            fn = route_fns(args.heads, 1e-5, DEFAULT_TABLES.replace(mix={"calls": calls}))["triton_site"]
+            ms = do_bench(lambda fn=fn: mb.forward_backward(fn, "triton"), warmup=3, rep=200)
+            print(f"| microbatch fwd+bwd, no wrapper | 1-8 | mix pass per {calls} calls | {ms:.2f} | |")
+    if "finish" in kernels:
+        finish(x, z, q, g, gate, args.heads)
+
+
+PAIR_SOURCES = (2, 5, 8)
+PAIR_FWD = [(1, 8, None), (2, 8, None), (2, 8, 128), (2, 16, None)]  # (rows, warps per 4096, register cap)
+PAIR_STATS = [(32, 8, None), (32, 8, 168), (16, 16, None), (32, 16, None)]
+
+
+def tune_pair(args, bw: float, n: int, dout: torch.Tensor, params: list[tuple]) -> None:
+    """A layer's two sites over n marked sources: two single-site calls (the default shapes) against
+    one two-site pass at each launch shape, for the forward and for the stats kernel."""
+    sites = [Site(*p) for p in params]
+    srcs = [torch.randn_like(dout) for _ in range(n)]
+    rstds = [source_rstd(s, 1e-5) for s in srcs]
+    unit = dout.numel() * dout.element_size()
+
+    def row(kernel: str, label: str, ms: float, nbytes: int) -> None:
+        print(f"| {kernel} | {n} | {label} | {ms:.3f} | {nbytes / (ms * 1e-3) / bw:.0%} |")
+
+    def fwd_single() -> None:
+        for s in sites:
+            forward(None, srcs, *s, args.heads, 1e-5, DEFAULT_TABLES, rstds)
+
+    row("fwd", "two single-site calls", do_bench(fwd_single, warmup=10, rep=50), (2 * n + 2) * unit)
+    for rows, warps, maxnreg in PAIR_FWD:
+        shape = {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg, "given_rstd": True}
+        tables = DEFAULT_TABLES.replace(fwd_pair={n: shape})
+        ms = do_bench(lambda t=tables: forward_pair(srcs, sites, args.heads, 1e-5, t, rstds), warmup=10, rep=50)
+        row("fwd, 2 sites", f"rows {rows}, {warps} warps, registers <= {maxnreg or 'any'}", ms, (n + 2) * unit)
+
+    def stats_single() -> None:
+        for s in sites:
+            stats(dout, srcs, *s, args.heads, 1e-5, rstds)
+
+    row("stats", "two single-site calls", do_bench(stats_single, warmup=10, rep=50), (2 * n + 2) * unit)
+    for rows, warps, maxnreg in PAIR_STATS:
+        shape = {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg, "given_rstd": True}
+        tables = DEFAULT_TABLES.replace(stats_pair={n: shape})
+        ms = do_bench(
+            lambda t=tables: stats_pair([dout, dout], srcs, sites, args.heads, 1e-5, rstds, t), warmup=10, rep=50
+        )
+        row("stats, 2 sites", f"rows {rows}, {warps} warps, registers <= {maxnreg or 'any'}", ms, (n + 2) * unit)
+
+
+def finish(x, z, q, g, gate, num_heads: int) -> None:
+    """The finishing kernel alone, on the partials of one 8B-width call."""
+    m, d = x.numel() // x.shape[-1], x.shape[-1]
+    parts = -(-m // DEFAULT_TABLES.stats[MAX_TRITON_SOURCES]["rows"])
+    work = torch.randn(parts * (2 * d + num_heads + 1), device=x.device)
+    default = DEFAULT_TABLES.finish
+    for block_c, block_p, warps in itertools.product((16, 32, 64), (32, 64, 128, 256), (4, 8)):
+        tables = DEFAULT_TABLES.replace(finish={"block_c": block_c, "block_p": block_p, "warps": warps})
+        ms = do_bench(
+            lambda tables=tables: finish_param_grads(work, parts, z, q, g, gate, num_heads, 1e-5, tables),
+            warmup=10,
+            rep=50,
+        )
+        mark = " (default)" if {"block_c": block_c, "block_p": block_p, "warps": warps} == dict(default) else ""
+        shape = f"{block_c} columns, {block_p} partials a step, {warps} warps{mark}"
+        print(f"| finish | - | {shape} | {ms:.4f} | |")

@@ -1,0 +1,153 @@
+"""Two sites over the same sources in one pass (kernels.routing.mhar_route_pair, a layer's two sites):
+against the torch reference, and against the same two sites routed one call each."""
+
+import pytest
+import torch
+from test_routing_triton import PARAMS, SHAPES, condition_scales, scale_of, site
+
+import kernels.triton.launch as rt
+from kernels.routing import mhar_route_pair, mhar_route_with_weights, routing_source
+
+EPS = 1e-5
+
+
+def pair(H, d, S, T, dtype):
+    """Two sites' leaves over one set of sources: [*sources, *site_a, *site_b], all requiring grad."""
+    first = site(H, d, S, T, dtype)
+    second = site(H, d, S, T, dtype)
+    return first[1 : 1 + S] + first[1 + S :] + second[1 + S :]
+
+
+def split(leaves, S):
+    return leaves[:S], (leaves[S : S + 4], leaves[S + 4 :])
+
+
+def routed_pair(backend, leaves, S, H, grad_outs, mark=False):
+    """[out_a, out_b, weights_a, weights_b, *gradients of the leaves]."""
+    sources, sites = split(leaves, S)
+    srcs = [routing_source(s, backend) for s in sources] if mark else sources
+    (out_a, w_a), (out_b, w_b) = mhar_route_pair(srcs, sites, num_heads=H, eps=EPS, backend=backend)
+    grads = torch.autograd.grad([out_a, out_b], leaves, grad_outs)
+    return [out_a, out_b, w_a, w_b, *grads]
+
+
+def routed_one_by_one(leaves, S, H, grad_outs, mark=False):
+    """The same, with one triton call per site."""
+    sources, sites = split(leaves, S)
+    srcs = [routing_source(s, "triton") for s in sources] if mark else sources
+    outs = [mhar_route_with_weights(None, srcs, *p, num_heads=H, eps=EPS, backend="triton") for p in sites]
+    grads = torch.autograd.grad([o for o, _ in outs], leaves, grad_outs)
+    return [outs[0][0], outs[1][0], outs[0][1], outs[1][1], *grads]
+
+
+def names(S):
+    sites = [f"{p}_{s}" for s in "ab" for p in PARAMS]
+    return ["out_a", "out_b", "weights_a", "weights_b"] + [f"source{i}" for i in range(S)] + sites
+
+
+def scales_of(leaves, S, H, grad_outs):
+    """Per gradient, the float64 conditioning scale of test_routing_triton's bounds: a source's is
+    the sum of both sites' (its gradient sums their terms), a parameter's its own site's."""
+    sources, sites = split(leaves, S)
+    out = {}
+    for tag, params, grad_out in zip("ab", sites, grad_outs, strict=True):
+        x = torch.zeros_like(sources[0])  # only its shape and dtype are read
+        one = condition_scales([x, *sources, *params], S, H, grad_out)
+        for name, value in one.items():
+            key = name if name.startswith("source") else f"{name}_{tag}"
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+# odd widths and one head; 8 sources (the most); heads wider than a chunk, exact; sources marked or not
+@pytest.mark.parametrize("H,d,S,T,mark", [(*SHAPES[0], False), (*SHAPES[4], True), (*SHAPES[9], False)])
+def test_fp32_matches_torch_backend_and_is_deterministic(H, d, S, T, mark, poisoned):
+    leaves = pair(H, d, S, T, torch.float32)
+    grad_outs = [torch.randn_like(leaves[0]) for _ in range(2)]
+    ref = routed_pair("torch", leaves, S, H, grad_outs)
+    first = routed_pair("triton", leaves, S, H, grad_outs, mark)
+    second = routed_pair("triton", leaves, S, H, grad_outs, mark)
+    scales = scales_of(leaves, S, H, grad_outs)
+    for name, r, a, b in zip(names(S), ref, first, second, strict=True):
+        assert not torch.isnan(a).any(), f"{name}: unwritten elements"
+        assert a.dtype == r.dtype and a.shape == r.shape, name
+        err = (a.double() - r.double()).abs().max().item() / scale_of(name, r, scales)
+        assert err <= 1e-5, f"{(H, d, S, T)} {name}: {err:.2e}"
+        assert torch.equal(a, b), f"{name}: two runs differ"
+
+
+@pytest.mark.parametrize("two_site_stats", [True, False])
+@pytest.mark.parametrize("H,d,S,T,dtype", [(*SHAPES[3], torch.float32), (*SHAPES[4], torch.bfloat16)])
+def test_equals_one_call_per_site_bit_for_bit(H, d, S, T, dtype, two_site_stats, poisoned, monkeypatch):
+    """Each site's outputs, weights and parameter gradients are those of its own call: the pair
+    runs the same arithmetic in the same order, one load of each source serving both. So are the
+    marked sources' gradients, which both ways sum in one mix pass per layer. The backward takes
+    one two-site stats pass or, where its table says None, two single-site ones: both checked."""
+    shape = {"rows": 32, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True} if two_site_stats else None
+    monkeypatch.setitem(rt.STATS_PAIR, S, shape)
+    leaves = pair(H, d, S, T, dtype)
+    grad_outs = [torch.randn_like(leaves[0]) for _ in range(2)]
+    together = routed_pair("triton", leaves, S, H, grad_outs, mark=True)
+    apart = routed_one_by_one(leaves, S, H, grad_outs, mark=True)
+    for name, a, b in zip(names(S), together, apart, strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_one_site_unused_gets_no_gradient_and_the_other_its_own(poisoned):
+    """When only one site's output reaches the loss, that site's call runs alone: the unused
+    site's parameters get no gradient, everything else is the one-call result."""
+    H, d, S, T = 8, 40, 3, 5
+    leaves = pair(H, d, S, T, torch.float32)
+    sources, sites = split(leaves, S)
+    grad_out = torch.randn_like(sources[0])
+    (out_a, _), (out_b, _) = mhar_route_pair(sources, sites, num_heads=H, eps=EPS, backend="triton")
+    got = torch.autograd.grad(out_b, leaves, grad_out, allow_unused=True)
+    out, _ = mhar_route_with_weights(None, sources, *sites[1], num_heads=H, eps=EPS, backend="triton")
+    want = torch.autograd.grad(out, [*sources, *sites[1]], grad_out)
+    assert all(g is None for g in got[S : S + 4])
+    for name, a, b in zip(["s0", "s1", "s2", *PARAMS], [*got[:S], *got[S + 4 :]], want, strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_without_grad_the_forward_computes_exactly_what_it_computes_with_grad():
+    H, d, S, T = 8, 64, 4, 3
+    leaves = pair(H, d, S, T, torch.float32)
+    sources, sites = split(leaves, S)
+    with torch.no_grad():
+        marked = [routing_source(s, "triton") for s in sources]
+        plain = mhar_route_pair(marked, sites, num_heads=H, eps=EPS, backend="triton")
+    marked = [routing_source(s, "triton") for s in sources]
+    graded = mhar_route_pair(marked, sites, num_heads=H, eps=EPS, backend="triton")
+    for (a, wa), (b, wb) in zip(plain, graded, strict=True):
+        assert torch.equal(a, b) and torch.equal(wa, wb)
+        assert b.requires_grad and not a.requires_grad
+
+
+def test_one_forward_and_one_stats_launch_serve_both_sites(monkeypatch):
+    """What makes the pair cheaper: one forward and one stats kernel per layer, not one per site
+    (at the source counts whose table entry takes the two-site stats pass)."""
+    assert rt.STATS_PAIR[2] is not None
+    counts = {"fwd": 0, "stats": 0}
+    for kind in counts:
+        launcher = getattr(rt, f"{kind}_launcher")
+
+        def counted(*args, kind=kind, launcher=launcher, **kw):
+            counts[kind] += 1
+            return launcher(*args, **kw)
+
+        monkeypatch.setattr(rt, f"{kind}_launcher", counted)
+    H, d, S, T = 8, 40, 2, 3
+    leaves = pair(H, d, S, T, torch.float32)
+    routed_pair("triton", leaves, S, H, [torch.randn_like(leaves[0]) for _ in range(2)], mark=True)
+    assert counts == {"fwd": 1, "stats": 1}
+
+
+def test_sites_are_checked_by_name():
+    H, d, S, T = 8, 40, 2, 3
+    leaves = pair(H, d, S, T, torch.float32)
+    sources, sites = split(leaves, S)
+    with pytest.raises(ValueError, match="two sites"):
+        mhar_route_pair(sources, sites[:1], num_heads=H, eps=EPS, backend="triton")
+    bad = (sites[0], [sites[1][0], sites[1][1][:8], *sites[1][2:]])
+    with pytest.raises(ValueError, match="query has shape"):
+        mhar_route_pair(sources, bad, num_heads=H, eps=EPS, backend="triton")
