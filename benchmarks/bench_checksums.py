@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=16.0, help="bytes one rank saves, in GiB")
     parser.add_argument("--dir", default="/tmp/bench-ckpt", help="where to save (removed before and after)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where the tensors live before saving"
+    )
     args = parser.parse_args(argv)
 
     data = os.urandom(512 * 2**20)

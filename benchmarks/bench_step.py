@@ -142,14 +142,14 @@ def run_arm(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms to run, of {', '.join(ARMS)}")
     parser.add_argument("--ac", default="full", help=f"activation-checkpointing modes to run: {', '.join(AC_MODES)}")
     parser.add_argument("--num-blocks", type=int, default=None, help="[mhar] num_blocks (default 8; 2 with --smoke)")
     parser.add_argument("--flavor", default=FLAVOR, help=f"model flavor on a GPU (default {FLAVOR}; marin8b_8l)")
     parser.add_argument("--steps", type=int, default=14, help="with --warmup 4: ten timed steps, one EMA update")
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the figures (compile, caches)")
-    parser.add_argument("--nproc", type=int, default=1)
-    parser.add_argument("--out", default="runs/bench-step")
+    parser.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun processes, FSDP ranks) per arm")
+    parser.add_argument("--out", default="runs/bench-step", help="folder for the arms' runs and logs")
     parser.add_argument("--smoke", action="store_true", help="tiny flavor on CPU: the plumbing, not a speed")
     parser.add_argument("--profile", action="store_true", help="trace each arm's last step; GPU time by kernel kind")
     args = parser.parse_args(argv)

@@ -206,12 +206,12 @@ def cached_bpe(recipe: Recipe | None = None, cache: Path = CACHE) -> Path:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab-size", type=int, default=Recipe.vocab_size)
-    parser.add_argument("--corpus-mb", type=float, default=Recipe.corpus_mb)
-    parser.add_argument("--cache", type=Path, default=CACHE)
-    args = parser.parse_args()
+    parser.add_argument("--vocab-size", type=int, default=Recipe.vocab_size, help="ids, special tokens included")
+    parser.add_argument("--corpus-mb", type=float, default=Recipe.corpus_mb, help="MB of library text to train on")
+    parser.add_argument("--cache", type=Path, default=CACHE, help=f"where tokenizers are kept (default {CACHE})")
+    args = parser.parse_args(argv)
     print(cached_bpe(Recipe(args.vocab_size, corpus_mb=args.corpus_mb, roots=library_roots()), args.cache))
 
 

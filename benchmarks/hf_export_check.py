@@ -159,14 +159,18 @@ def check(flavor: str, device: str, tokens: int, num_blocks: int, workdir: str, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--flavor", default="tiny")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--flavor", default="tiny", help="a built-in architecture (tiny, marin8b, ...; default tiny)")
     parser.add_argument("--device", default="cpu", help="where the models run")
     parser.add_argument("--export-devices", default="cpu", help="comma-separated --device values for the export")
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--num-blocks", type=int, default=2)
-    parser.add_argument("--fp32-tol", type=float, default=1e-5)
-    parser.add_argument("--bf16-factor", type=float, default=2.0)
+    parser.add_argument("--tokens", type=int, default=256, help="sequence length of the compared batch")
+    parser.add_argument("--num-blocks", type=int, default=2, help="[mhar] num_blocks of the run (default 2)")
+    parser.add_argument(
+        "--fp32-tol", type=float, default=1e-5, help="fp32 logits: largest difference / largest logit (default 1e-5)"
+    )
+    parser.add_argument(
+        "--bf16-factor", type=float, default=2.0, help="bf16: HF's error may be this many times ours (default 2)"
+    )
     parser.add_argument("--workdir", default=None, help="where the run and the export go (default: a temp dir)")
     args = parser.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="hf-export-check-")

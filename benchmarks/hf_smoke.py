@@ -63,9 +63,9 @@ def smoke(flavor: str, device: str, dtype: str, tokens: int, num_blocks: int, wo
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    parser.add_argument("--flavor", default="tiny")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    parser.add_argument("--flavor", default="tiny", help="a built-in architecture (tiny, marin8b, ...; default tiny)")
+    parser.add_argument("--device", default="cpu", help="where the models are loaded: cpu, cuda (default cpu)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="the checkpoint's and models' dtype")
     parser.add_argument("--tokens", type=int, default=512, help="sequence length of the compared batch")
     parser.add_argument("--num-blocks", type=int, default=8, help="[mhar] num_blocks of the MHAR model")
     parser.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir)")

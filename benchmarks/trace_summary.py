@@ -99,7 +99,7 @@ def print_side_by_side(summaries: dict[str, dict[str, object]]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("traces", nargs="+")
+    parser.add_argument("traces", nargs="+", help="profiler chrome traces (JSON), summarised side by side")
     args = parser.parse_args(argv)
     print_side_by_side({Path(t).parent.name or t: summarise(t) for t in args.traces})
 

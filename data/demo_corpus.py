@@ -113,8 +113,12 @@ def build(out_dir: Path, num_shards: int = 4, vocab_size: int = 2048) -> None:
     )
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir", type=Path)
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m data.demo_corpus", description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path, help="where corpus/, code/ and the tokenizer files are written")
+    args = parser.parse_args(argv)
     build(args.out_dir)
+
+
+if __name__ == "__main__":
+    main()

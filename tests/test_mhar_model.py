@@ -14,6 +14,7 @@ from torchtitan.models.llama3.model.model import Transformer
 import mhar_titan.model.model as model_mod
 from mhar_titan.components.lr_schedule import build_lr_schedulers
 from mhar_titan.components.optimizer import build_optimizers
+from mhar_titan.components.routing_stats import name_routing_stats
 from mhar_titan.config import parse_config
 from mhar_titan.model.args import FLAVORS, MHAR
 from mhar_titan.model.model import MHARTransformer
@@ -196,12 +197,42 @@ def test_routing_stats_at_init_are_uniform_routing():
     model.collect_routing_stats = True
     model(tokens)
     stats = model.routing_stats
-    assert stats.shape == (4, 2, 5)
+    assert stats.shape == (4, 2, 2 + num_blocks + 1)  # gate, entropy, then null, embedding, D_0, D_1, D_2
     for layer in range(4):
         n = 2 + layer  # one layer per block: null, embedding, then `layer` deltas
-        gate, entropy, w_null, w_embed, w_deltas = stats[layer].unbind(-1)
+        gate, entropy = stats[layer, :, 0], stats[layer, :, 1]
         torch.testing.assert_close(gate, torch.zeros(2))
         torch.testing.assert_close(entropy, torch.full((2,), math.log(n)))
-        torch.testing.assert_close(w_null, torch.full((2,), 1 / n))
-        torch.testing.assert_close(w_embed, torch.full((2,), 1 / n))
-        torch.testing.assert_close(w_deltas, torch.full((2,), (n - 2) / n))
+        torch.testing.assert_close(stats[layer, :, 2 : 2 + n], torch.full((2, n), 1 / n))
+        assert stats[layer, :, 2 + n :].isnan().all()  # sources this layer's block does not read
+
+    named = name_routing_stats(stats)
+    assert named["mhar_attn_w_null/layer00"] == named["mhar_ffn_w_embed/layer00"] == pytest.approx(1 / 2)
+    assert named["mhar_ffn_w_d02/layer03"] == pytest.approx(1 / 5) and "mhar_ffn_w_d02/layer02" not in named
+    assert named["mhar_attn_w_deltas/layer00"] == 0.0
+    assert named["mhar_attn_w_deltas/layer03"] == pytest.approx(3 / 5)
+    assert named["mhar/entropy/mean"] == pytest.approx(sum(math.log(n) for n in (2, 3, 4, 5)) / 4)
+    assert named["mhar/w_deltas/mean"] == pytest.approx((0 + 1 / 3 + 2 / 4 + 3 / 5) / 4)
+    assert not [v for v in named.values() if math.isnan(v)]
+    # per layer: gate, entropy, w_null, w_embed, w_deltas and one weight per delta it reads; 5 means
+    assert len(named) == 2 * sum(5 + layer for layer in range(4)) + 5
+    with pytest.raises(ValueError, match=r"routing statistics of shape \(4, 2, 6\)"):
+        name_routing_stats(stats[..., :6])  # 3 blocks do not divide 4 layers
+
+
+def test_site_stats_are_per_source_means_of_the_weights_padded_to_the_model_width():
+    torch.manual_seed(3)
+    site = model_mod.RoutingSite(16, 4, 1e-5, "torch", max_sources=5)
+    site.reset_parameters()
+    with torch.no_grad():
+        site.gate.fill_(0.25)
+    weights = torch.softmax(3 * torch.randn(3, 2, 7, 4, dtype=torch.float64), dim=0)  # [N, B, T, H]
+    row = site.stats(weights)
+    assert row.shape == (2 + 5,) and row.dtype == torch.float32
+    assert row[0] == 0.25
+    expected_entropy = -(weights * weights.log()).sum(0).mean()
+    torch.testing.assert_close(row[1].double(), expected_entropy, rtol=1e-6, atol=0)
+    torch.testing.assert_close(row[2:5].double(), weights.mean(dim=(1, 2, 3)), rtol=1e-6, atol=0)
+    assert row[5:].isnan().all() and float(row[2:5].sum()) == pytest.approx(1.0, abs=1e-6)
+    with pytest.raises(ValueError, match="more than max_sources = 2"):
+        model_mod.RoutingSite(16, 4, 1e-5, "torch", max_sources=2).stats(weights)

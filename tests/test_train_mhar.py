@@ -1,9 +1,11 @@
 """2-rank FSDP2 training of the tiny MHAR config with full activation checkpointing on CPU."""
 
+import math
+
 import pytest
 from conftest import torchrun
 
-from mhar_titan.components.tensorboard_scalars import read_scalars
+from mhar_titan.components.tensorboard_scalars import load_scalars, read_scalars, routing_mean_tag, routing_site_tag
 from mhar_titan.model.model import SITE_NAMES, STAT_NAMES
 
 
@@ -15,15 +17,24 @@ def test_mhar_tiny_trains_moves_its_gates_and_logs_routing_stats(tmp_path):
 
     losses = read_scalars(run)
     assert min(losses.values()) < losses[1] - 0.5, losses
-    sites = [f"layer{layer:02d}_{site}" for layer in range(4) for site in SITE_NAMES]
-    for site in sites:
-        values = {stat: read_scalars(run, f"mhar/{stat}/{site}") for stat in STAT_NAMES}
-        assert all(list(v) == [5, 10] for v in values.values()), (site, values)
-        assert abs(values["gate"][10]) > 0, site
-        for step in (5, 10):
-            total = values["w_null"][step] + values["w_embed"][step] + values["w_deltas"][step]
-            assert total == pytest.approx(1.0, abs=1e-5), (site, step)
-    assert read_scalars(run, "mhar/gate/mean")[10] != 0
+    scalars = load_scalars(run)
+    for layer in range(4):  # tiny_cpu_mhar: 2 blocks of 2 layers; layers 2, 3 also read D_0
+        sources = ("null", "embed", "d00")[: 2 + layer // 2]
+        for site in SITE_NAMES:
+            stats = (*STAT_NAMES, "w_deltas", *(f"w_{s}" for s in sources))
+            values = {stat: scalars[routing_site_tag(site, stat, layer)] for stat in stats}
+            assert all(list(v) == [5, 10] for v in values.values()), (site, layer, values)
+            if layer < 2:  # block 0 reads no delta: no tag for one
+                assert routing_site_tag(site, "w_d00", layer) not in scalars
+            assert abs(values["gate"][10]) > 0, (site, layer)
+            for step in (5, 10):
+                total = sum(values[f"w_{s}"][step] for s in sources)
+                assert total == pytest.approx(1.0, abs=1e-5), (site, layer, step)
+                assert values["w_deltas"][step] == pytest.approx(
+                    total - values["w_null"][step] - values["w_embed"][step]
+                )
+                assert 0 < values["entropy"][step] <= math.log(len(sources)) + 1e-6
+    assert scalars[routing_mean_tag("gate")][10] != 0
     ce, z, total = (read_scalars(run, f"train/{k}") for k in ("ce", "z_loss", "loss"))
     for step in range(1, 11):  # the logged loss is CE + z-loss, both per valid token over both ranks
         assert 0 < z[step] < 1e-2 * ce[step]
@@ -53,7 +64,7 @@ def test_triton_backend_trains_under_fsdp_and_checkpointing_like_torch(tmp_path)
         short += ("--mhar.stats_freq", "3", "--validation.no-enable")  # validation's 256 tokens > seq_len 32
         torchrun(run, *short, "--mhar.backend", backend, config="configs/tiny_cpu_mhar.toml")
         losses[backend] = read_scalars(run)
-        assert read_scalars(run, "mhar/gate/mean")[3] != 0
+        assert read_scalars(run, routing_mean_tag("gate"))[3] != 0
     assert list(losses["triton"]) == [1, 2, 3]
     for step, loss in losses["torch"].items():
         assert losses["triton"][step] == pytest.approx(loss, rel=1e-5), step

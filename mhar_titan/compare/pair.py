@@ -6,7 +6,7 @@ with their uncertainty, so this aligns the arms step by step, writes the deltas 
 them, sets the training delta against the control's noise and gives validation deltas a paired 95% CI over the
 same batches. It also checks that both arms really saw the same LR schedule and tokens, and, from the step-0
 validation of the base (mhar_titan.compare_validation), that both started from the same model, and how far each
-arm has moved from it.
+arm has moved from it. From the routing statistics the MHAR arm logged, it draws its routing (routing.py).
 
     python -m mhar_titan.compare runs/<pair> [--out DIR] [--control NAME] [--mhar NAME]
 """
@@ -17,12 +17,14 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch.utils.tensorboard import SummaryWriter
 
-from mhar_titan.compare import report
+from mhar_titan.compare import report, routing
 from mhar_titan.compare import validation as cval
 from mhar_titan.compare.report import CHECKED
 from mhar_titan.compare.stats import batch_noise, divergence, median_after_warmup
@@ -49,8 +51,11 @@ def _arm(pair: Path, name: str) -> tuple[Path, dict[str, Series], dict[int, dict
     return run, scalars, val
 
 
-def write_delta_run(delta_dir: Path, series: dict[str, Series]) -> None:
-    """The deltas as a TensorBoard run beside the arms; replaces the previous run's event files."""
+def write_delta_run(
+    delta_dir: Path, series: dict[str, Series], images: Sequence[tuple[str, int, np.ndarray]] = ()
+) -> None:
+    """The deltas as a TensorBoard run beside the arms, with the images of the comparison (tag, step,
+    [H, W, 3] uint8: the MHAR arm's routing); replaces the previous run's event files."""
     delta_dir.mkdir(parents=True, exist_ok=True)
     for old in delta_dir.glob("events.out.tfevents.*"):
         old.unlink()
@@ -58,6 +63,8 @@ def write_delta_run(delta_dir: Path, series: dict[str, Series]) -> None:
     for tag, values in series.items():
         for step, value in values.items():
             writer.add_scalar(tag, value, step)
+    for tag, step, image in images:
+        writer.add_image(tag, image, step, dataformats="HWC")
     writer.close()
 
 
@@ -146,7 +153,10 @@ def compare(
             if points:
                 delta_series[f"from_base/{role}/{tag.replace('/', '_')}"] = points
     delta_dir = pair / DELTA_RUN
-    write_delta_run(delta_dir, delta_series)
+    out.mkdir(parents=True, exist_ok=True)
+    routing_log = routing.read_routing(ms, m_run)
+    routing_plots, routing_images = routing.write(out, routing_log)
+    write_delta_run(delta_dir, delta_series, routing_images)
 
     result: dict[str, Any] = {
         "pair": str(pair),
@@ -172,9 +182,10 @@ def compare(
         "tokens_identical": checks["tokens_seen"]["identical"],
         "data_identical": checks["data"]["identical"],
         "delta_dir": str(delta_dir),
+        "routing": routing.summary(routing_log) if routing_log is not None else None,
     }
-    out.mkdir(parents=True, exist_ok=True)
-    result["plots"] = [str(p) for p in report.plots(out, steps, c_loss, m_loss, deltas, noise, val, control, mhar)]
+    plots = report.plots(out, steps, c_loss, m_loss, deltas, noise, val, control, mhar) + routing_plots
+    result["plots"] = [str(p) for p in plots]
     report_md, evaluation = out / "report.md", out / "eval.md"  # eval.md: mhar_titan.eval's, kept when redone
     text = report.report_text(result, control, mhar)
     report_md.write_text(text + ("\n" + evaluation.read_text() if evaluation.exists() else ""))

@@ -10,6 +10,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from mhar_titan.compare import routing
 from mhar_titan.compare import validation as cval
 from mhar_titan.compare.stats import WARMUP_LOGS
 from mhar_titan.components.tensorboard_scalars import LOSS_TAG
@@ -164,6 +165,7 @@ def report_text(r: dict[str, Any], control: str, mhar: str) -> str:
 
     lines += cval.report_lines(r, control, mhar)
     lines += cval.named_set_lines(r.get("validation_sets", []), control, mhar)
+    lines += routing.report_lines(r.get("routing"), mhar, r["delta_dir"])
 
     t = r["tokens_per_s"]
     lines += [
@@ -201,6 +203,9 @@ def summary_lines(r: dict[str, Any]) -> list[str]:
     ]
     lines += cval.summary_lines(r)
     lines.append(f"tokens/s mhar/control: {_f(r['tokens_per_s']['ratio'], '.4f')}")
+    if r.get("routing"):
+        steps = r["routing"]["steps"]
+        lines.append(f"routing: {len(steps)} logged steps of {r['routing']['layers']} layers ({steps[0]}..{steps[-1]})")
     lines.append("identical: " + ", ".join(f"{k} {r['checks'][k]['identical']}" for k in (*CHECKED, "data")))
     lines += [f"wrote {p}" for p in (r["delta_dir"], r["report"], *r["plots"])]
     return lines

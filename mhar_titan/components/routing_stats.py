@@ -1,9 +1,12 @@
-"""Routing statistics for TensorBoard: per-site gate, entropy and source weights.
+"""Routing statistics for TensorBoard: per-site gate, entropy and the mean weight on each source.
 
-The model leaves the [n_layers, 2, 5] statistics of its last forward in
-`model.routing_stats` (on the steps the trainer asks for them); these are averaged over
-data-parallel ranks on the device and named `mhar/<stat>/layerNN_<site>`, with
-`mhar/<stat>/mean` over all sites.
+The model leaves the [n_layers, 2, 2 + num_blocks + 1] statistics of its last forward in
+`model.routing_stats` (on the steps the trainer asks for them; columns: gate, entropy, then each
+source's mean weight, NaN where a layer's block has no such source); these are averaged over
+data-parallel ranks on the device, read back with the step's other values, and named here:
+`mhar_<site>_<stat>/layerNN` per site (gate, entropy, w_null, w_embed, w_deltas: all deltas
+summed, and w_d00, w_d01, ...: each block delta D_k the layer reads), with `mhar/<stat>/mean` over
+all sites (tensorboard_scalars.py holds the names).
 """
 
 from __future__ import annotations
@@ -12,6 +15,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from mhar_titan.components.tensorboard_scalars import (
+    ROUTING_MEAN_STATS,
+    routing_mean_tag,
+    routing_site_tag,
+    routing_sources,
+)
 from mhar_titan.model.model import SITE_NAMES, STAT_NAMES
 
 
@@ -25,11 +34,29 @@ def average_routing_stats(stats: torch.Tensor, mesh: DeviceMesh | None) -> torch
 
 
 def name_routing_stats(values: torch.Tensor) -> dict[str, float]:
-    """Each value of a [n_layers, 2, 5] host tensor under its TensorBoard name, and the means."""
+    """Each value of a [n_layers, 2, 2 + num_blocks + 1] host tensor under its TensorBoard name, and the
+    means over sites. A layer of block b has 2 + b sources: the padding beyond them is not logged."""
+    n_layers, n_sites, width = values.shape
+    num_blocks = width - len(STAT_NAMES) - 1
+    if n_sites != len(SITE_NAMES) or num_blocks < 1 or n_layers % num_blocks:
+        raise ValueError(f"routing statistics of shape {tuple(values.shape)}: not [n_layers, 2, 2 + num_blocks + 1]")
+    per_block = n_layers // num_blocks
+    sources = routing_sources(num_blocks)
+    rows = values.tolist()
     out: dict[str, float] = {}
-    for j, stat in enumerate(STAT_NAMES):
-        for layer in range(values.shape[0]):
-            for s, site in enumerate(SITE_NAMES):
-                out[f"mhar/{stat}/layer{layer:02d}_{site}"] = values[layer, s, j].item()
-        out[f"mhar/{stat}/mean"] = values[:, :, j].mean().item()
+    per_stat: dict[str, list[float]] = {stat: [] for stat in ROUTING_MEAN_STATS}
+    for layer in range(n_layers):
+        n_sources = 2 + layer // per_block
+        for s, site in enumerate(SITE_NAMES):
+            row = rows[layer][s]
+            named = dict(zip(STAT_NAMES, row, strict=False))
+            weights = row[len(STAT_NAMES) : len(STAT_NAMES) + n_sources]
+            named.update({f"w_{name}": w for name, w in zip(sources, weights, strict=False)})
+            named["w_deltas"] = float(sum(weights[2:]))
+            for stat, value in named.items():
+                out[routing_site_tag(site, stat, layer)] = value
+            for stat in ROUTING_MEAN_STATS:
+                per_stat[stat].append(named[stat])
+    for stat, vals in per_stat.items():
+        out[routing_mean_tag(stat)] = sum(vals) / len(vals)
     return out

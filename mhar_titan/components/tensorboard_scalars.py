@@ -1,21 +1,47 @@
-"""Read scalars back from a run's TensorBoard event files.
+"""Read scalars back from a run's TensorBoard event files, and the names of the routing statistics' tags
+(one place for the trainer that writes them and the comparison that reads them).
 
 Every start of a run writes a new event file into `<dump_folder>/tb` (one TensorBoard run per
 arm, see step_metrics.one_tensorboard_run); steps it repeats after resuming from an earlier
 checkpoint replace the old values, so the merged series is what the run finally computed.
 
-    python -m mhar_titan.tensorboard_scalars RUN_DIR [--tag TAG]
+    python -m mhar_titan.components.tensorboard_scalars RUN_DIR [--tag TAG]
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import sys
 from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 LOSS_TAG = "train/loss"
 PRIMARY_TAGS = {"raw": "val/ce", "ema": "val/ce_ema"}  # the first validation set's, whatever its name
+
+# Routing statistics (README "The MHAR arm"). TensorBoard groups charts by a tag's first component, so
+# each (sublayer, statistic) is a group of its own with one chart per layer, `mhar_<site>_<stat>/layerNN`
+# (32 charts at 8B, in depth order), and `mhar/<stat>/mean` (the mean over all sites) is the overview group.
+ROUTING_MEAN_STATS = ("gate", "entropy", "w_null", "w_embed", "w_deltas")
+ROUTING_SITE_TAG = re.compile(r"^mhar_(?P<site>[a-z]+)_(?P<stat>\w+)/layer(?P<layer>\d+)$")
+OLD_ROUTING_SITE_TAG = re.compile(r"^mhar/(?P<stat>\w+)/layer(?P<layer>\d+)_(?P<site>[a-z]+)$")  # before issue 23
+
+
+def routing_sources(num_blocks: int) -> tuple[str, ...]:
+    """Names of the sources a site can read, in the routing op's order: the null source, the embedding and
+    the deltas D_0 .. D_{num_blocks-2} (the last block's delta is never a source)."""
+    return ("null", "embed", *(f"d{k:02d}" for k in range(num_blocks - 1)))
+
+
+def routing_site_tag(site: str, stat: str, layer: int) -> str:
+    """The tag of one site's statistic: `mhar_attn_gate/layer07`, `mhar_ffn_w_d03/layer31`."""
+    return f"mhar_{site}_{stat}/layer{layer:02d}"
+
+
+def routing_mean_tag(stat: str) -> str:
+    """The tag of a statistic's mean over all sites: `mhar/gate/mean`."""
+    return f"mhar/{stat}/mean"
 
 
 def set_tags(name: str) -> dict[str, str]:
@@ -60,12 +86,15 @@ def read_scalars(run_dir: str | Path, tag: str = LOSS_TAG) -> dict[int, float]:
     return scalars[tag]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Summarise a scalar of a run's TensorBoard logs.")
-    parser.add_argument("run_dir")
-    parser.add_argument("--tag", default=LOSS_TAG)
-    args = parser.parse_args()
-    values = read_scalars(args.run_dir, args.tag)
+    parser.add_argument("run_dir", help="a run's folder (its event files anywhere below it, e.g. <dump_folder>/tb)")
+    parser.add_argument("--tag", default=LOSS_TAG, help=f"the scalar to summarise (default {LOSS_TAG})")
+    args = parser.parse_args(argv)
+    try:
+        values = read_scalars(args.run_dir, args.tag)
+    except (FileNotFoundError, KeyError) as e:
+        sys.exit(f"tensorboard_scalars: {e.args[0]}")
     steps = list(values)
     k = max(1, len(steps) // 10)
     head = sum(values[s] for s in steps[:k]) / k

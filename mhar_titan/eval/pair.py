@@ -215,16 +215,18 @@ def evaluate_pair(pair: Path, args: argparse.Namespace) -> dict[str, list[dict[s
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m mhar_titan.eval", description=__doc__.split("\n\n")[0].replace("\n", " ")
+    )
     parser.add_argument("pair", help="the pair's folder: runs/NAME with control/ and mhar/")
     parser.add_argument("--tasks", required=True, help="comma-separated lm-eval tasks (mhar_tiny_cloze: offline demo)")
     parser.add_argument("--step", type=int, default=None, help="default: the newest step both arms have")
     parser.add_argument("--weights", default="raw,ema", help="raw, ema or raw,ema")
     parser.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
-    parser.add_argument("--num-fewshot", type=int, default=None)
-    parser.add_argument("--batch-size", default="8")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
+    parser.add_argument("--batch-size", default="8", help="lm-eval batch size: a number or auto (default 8)")
+    parser.add_argument("--device", default="cpu", help="where the exported models run: cpu, cuda (default cpu)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="the models' dtype")
     parser.add_argument("--out", default=None, help="default: <pair>/compare")
     parser.add_argument("--keep-exports", action="store_true", help="keep <pair>/eval/<arm>-<weights>-step-N")
     args = parser.parse_args(argv)

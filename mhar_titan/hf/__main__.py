@@ -18,16 +18,29 @@ from mhar_titan.model.args import MHAR
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mhar_titan.hf", description="HF checkpoints for mhar-titan")
+    parser = argparse.ArgumentParser(
+        prog="python -m mhar_titan.hf",
+        description="HF checkpoints for mhar-titan: inspect one, export a run's checkpoint as one, write a random one.",
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p_inspect = sub.add_parser("inspect", help="config summary, parameter count, load ledger")
+    p_inspect = sub.add_parser(
+        "inspect",
+        help="config summary, parameter count, load ledger",
+        description="An HF checkpoint's config summary, parameter count and load ledger (as the control, or "
+        "with --mhar as the MHAR arm, would load it).",
+    )
     p_inspect.add_argument("path", help="an HF checkpoint folder (config.json and safetensors)")
     p_inspect.add_argument("--mhar", action="store_true", help="as the MHAR arm would load it")
     p_inspect.add_argument(
         "--num-blocks", type=int, default=MHAR.num_blocks, help="with --mhar: [mhar] num_blocks (divides the layers)"
     )
     p_inspect.add_argument("--num-heads", type=int, default=MHAR.num_heads, help="with --mhar: [mhar] num_heads")
-    p_export = sub.add_parser("export", help="a run's checkpoint as an HF directory (streamed, one shard at a time)")
+    p_export = sub.add_parser(
+        "export",
+        help="a run's checkpoint as an HF directory (streamed, one shard at a time)",
+        description="A run's checkpoint as an HF directory, streamed one output shard at a time (the MHAR arm "
+        "as its own model type, read with trust_remote_code=True).",
+    )
     p_export.add_argument("run_dir", help="the run's dump_folder (holds model_args.json and checkpoint/)")
     p_export.add_argument("out_dir", help="a new folder for the HF model")
     p_export.add_argument("--step", type=int, default=None, help="default: the latest complete checkpoint")
@@ -36,7 +49,11 @@ def main(argv: list[str] | None = None) -> None:
     p_export.add_argument("--device", default="cpu", help="where tensors are cast and permuted (cpu, cuda)")
     p_export.add_argument("--no-verify", action="store_true", help="skip checking the files against their checksums")
     p_export.add_argument("--no-routing", action="store_true", help="plain Llama (only while every gate is 0)")
-    p_init = sub.add_parser("init", help="a randomly initialised base checkpoint of a flavor")
+    p_init = sub.add_parser(
+        "init",
+        help="a randomly initialised base checkpoint of a flavor",
+        description="A randomly initialised HF base checkpoint of a built-in flavor (make demo's base).",
+    )
     p_init.add_argument("out_dir", help="a new folder for the HF model")
     p_init.add_argument("--flavor", default="tiny", help="a built-in architecture (tiny, marin8b, ...; default tiny)")
     p_init.add_argument("--tokenizer", default=None, help="folder whose tokenizer files are copied in")

@@ -18,17 +18,21 @@ from torchtitan.protocols.model import AttentionMasksType
 from kernels.routing import mhar_route_pair, mhar_route_with_weights, resolve_backend, routing_source
 from mhar_titan.model.args import MHARModelArgs
 
-# Columns of the per-site statistics each block returns (see RoutingSite.stats).
-STAT_NAMES = ("gate", "entropy", "w_null", "w_embed", "w_deltas")
+# Columns of the per-site statistics each block returns (see RoutingSite.stats): these, then the mean
+# routing weight of each source a site of the model can read (null, embedding, D_0 .. D_{num_blocks-2}),
+# NaN where the site's block has no such source.
+STAT_NAMES = ("gate", "entropy")
 SITE_NAMES = ("attn", "ffn")
 
 
 class RoutingSite(nn.Module):
-    """One sublayer input's router: query q, norm weight g, null source z, gate."""
+    """One sublayer input's router: query q, norm weight g, null source z, gate. `max_sources`: the
+    most sources any site of the model reads (num_blocks + 1), the width of its statistics' weight
+    columns (default: the sources this site reads)."""
 
-    def __init__(self, dim: int, num_heads: int, eps: float, backend: str):
+    def __init__(self, dim: int, num_heads: int, eps: float, backend: str, max_sources: int | None = None):
         super().__init__()
-        self.num_heads, self.eps, self.backend = num_heads, eps, backend
+        self.num_heads, self.eps, self.backend, self.max_sources = num_heads, eps, backend, max_sources
         self.query = nn.Parameter(torch.empty(dim))
         self.norm_weight = nn.Parameter(torch.empty(dim))
         self.null = nn.Parameter(torch.empty(dim))
@@ -62,12 +66,17 @@ class RoutingSite(nn.Module):
 
     @torch.no_grad()
     def stats(self, weights: torch.Tensor) -> torch.Tensor:
-        """[gate, mean per-head entropy, mean weight on null, on embedding, on all deltas], from the
-        [N, B, T, H] weights; computed only on the steps that log them."""
+        """[gate, mean per-head entropy, mean weight on each source (null, embedding, D_0, ...)], from
+        the [N, B, T, H] weights, NaN-padded to `max_sources` weight columns so every layer's row has
+        the same width; computed on the device, only on the steps that log them."""
         w = weights.detach().float()
         entropy = -(w * torch.log(w.clamp_min(torch.finfo(w.dtype).tiny))).sum(dim=0).mean()
-        deltas = w[2:].sum(dim=0).mean() if w.shape[0] > 2 else w.new_zeros(())
-        return torch.stack([self.gate.detach().float().reshape(()), entropy, w[0].mean(), w[1].mean(), deltas])
+        per_source = w.mean(dim=(1, 2, 3))
+        pad = (self.max_sources or w.shape[0]) - w.shape[0]
+        if pad < 0:
+            raise ValueError(f"a site read {w.shape[0]} sources, more than max_sources = {self.max_sources}")
+        head = torch.stack([self.gate.detach().float().reshape(()), entropy])
+        return torch.cat([head, per_source, w.new_full((pad,), float("nan"))])
 
 
 class BlockBody(nn.Module):
@@ -113,8 +122,9 @@ class MHARBlock(TransformerBlock):
         self.attn_routing: RoutingSite | None = None
         self.ffn_routing: RoutingSite | None = None
         if cfg.enable:
-            self.attn_routing = RoutingSite(model_args.dim, cfg.num_heads, model_args.norm_eps, cfg.backend)
-            self.ffn_routing = RoutingSite(model_args.dim, cfg.num_heads, model_args.norm_eps, cfg.backend)
+            site = (model_args.dim, cfg.num_heads, model_args.norm_eps, cfg.backend, cfg.num_blocks + 1)
+            self.attn_routing = RoutingSite(*site)
+            self.ffn_routing = RoutingSite(*site)
             self.set_body(BlockBody(self))
 
     def set_body(self, body: nn.Module) -> None:
@@ -131,7 +141,7 @@ class MHARBlock(TransformerBlock):
         sources: list[torch.Tensor] | None = None,
         want_stats: bool = False,
     ):
-        """Plain block without `sources`; else (output, a + m, site statistics [2, 5] or None)."""
+        """Plain block without `sources`; else (output, a + m, site statistics [2, 2 + num_blocks + 1] or None)."""
         if sources is None:
             return super().forward(x, freqs_cis, attention_masks, positions)
         assert self.attn_routing is not None and self.ffn_routing is not None
@@ -179,8 +189,9 @@ class MHARTransformer(Transformer):
     """Llama-3.1 whose blocks route over depth when `model_args.mhar.enable`.
 
     With `collect_routing_stats` set (the trainer sets it on the steps that log them),
-    `routing_stats` holds, after each MHAR forward, the [n_layers, 2, 5] site statistics of
-    that forward (columns: STAT_NAMES; rows: attn, ffn); otherwise None.
+    `routing_stats` holds, after each MHAR forward, the [n_layers, 2, 2 + num_blocks + 1] site
+    statistics of that forward (columns: STAT_NAMES, then each source's mean weight, NaN where a
+    layer has no such source; rows: attn, ffn); otherwise None.
     """
 
     def __init__(self, model_args: MHARModelArgs):
