@@ -4,9 +4,11 @@ against the torch reference, and against the same two sites routed one call each
 import pytest
 import torch
 from test_routing_triton import PARAMS, SHAPES, condition_scales, scale_of, site
+from torch._dynamo.utils import counters
 
 import kernels.triton.launch as rt
 from kernels.routing import mhar_route_pair, mhar_route_with_weights, routing_source
+from kernels.triton.autograd import route_pair_eager
 
 EPS = 1e-5
 
@@ -151,3 +153,27 @@ def test_sites_are_checked_by_name():
     bad = (sites[0], [sites[1][0], sites[1][1][:8], *sites[1][2:]])
     with pytest.raises(ValueError, match="query has shape"):
         mhar_route_pair(sources, bad, num_heads=H, eps=EPS, backend="triton")
+
+
+def test_a_traced_graph_routes_the_pair_through_the_custom_op():
+    """torch.compile cannot trace the eager pair path; a graph that calls it runs the custom op once
+    per site instead (autograd.py's substitute_in_graph): no graph break, and the custom op's
+    numbers, gradients included (its autograd under tracing: arguments at their defaults are left
+    out of a traced call, so the op's signature has none)."""
+    H, d, S, T = 8, 40, 2, 3
+    leaves = pair(H, d, S, T, torch.float32)
+    sources, sites = split(leaves, S)
+    grad_outs = [torch.randn_like(sources[0]) for _ in range(2)]
+
+    def both(srcs, a, b):
+        return [out for out, _ in route_pair_eager(srcs, a, b, num_heads=H, eps=EPS)]
+
+    torch._dynamo.reset()
+    counters.clear()
+    traced = torch.compile(both, backend="aot_eager", fullgraph=True)(sources, *sites)
+    assert not counters["graph_break"]
+    got = [*traced, *torch.autograd.grad(traced, leaves, grad_outs)]
+    ops = [mhar_route_with_weights(None, sources, *p, num_heads=H, eps=EPS, backend="triton_op")[0] for p in sites]
+    want = [*ops, *torch.autograd.grad(ops, leaves, grad_outs)]
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), i

@@ -41,13 +41,14 @@ def route_fwd(
     gate: torch.Tensor,
     num_heads: int,
     eps: float,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None,  # no default: a traced call would leave it out, and the backward's
+    # gradients must match the arguments passed
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return host.forward(x, sources, null, query, norm_weight, gate, num_heads, eps, out_dtype=out_dtype)
 
 
 @route_fwd.register_fake
-def _(x, sources, null, query, norm_weight, gate, num_heads, eps, out_dtype=None):
+def _(x, sources, null, query, norm_weight, gate, num_heads, eps, out_dtype):
     ref = sources[0] if x is None else x
     weights = ref.new_empty((len(sources) + 1, *ref.shape[:-1], num_heads), dtype=torch.float32)
     out = torch.empty_like(ref) if x is not None else torch.empty_like(ref, dtype=out_dtype or query.dtype)
