@@ -162,6 +162,9 @@ def main() -> None:
         help="time launch shapes of these kernels (fwd,fwd_rstd,bwd,stats,pair,group,finish) instead",
     )
     args = parser.parse_args()
+    unknown = [a for a in args.arms.split(",") if a not in ARMS]
+    if unknown:
+        parser.error(f"--arms: unknown {unknown}; choose from {', '.join(ARMS)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_routing needs a CUDA GPU")
     torch.manual_seed(0)
