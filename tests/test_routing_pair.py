@@ -178,3 +178,14 @@ def test_a_traced_graph_routes_the_pair_through_the_custom_op():
     want = [*ops, *torch.autograd.grad(ops, leaves, grad_outs)]
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), i
+
+
+def test_a_site_parameter_changed_in_place_is_refused_by_name():
+    H, d, S, T = 8, 40, 2, 3
+    leaves = pair(H, d, S, T, torch.float32)
+    sources, sites = split(leaves, S)
+    outs = mhar_route_pair(sources, sites, num_heads=H, eps=EPS, backend="triton")
+    with torch.no_grad():
+        sites[1][1].mul_(2)  # the second site's query
+    with pytest.raises(RuntimeError, match=r"call's site 1 query was modified in place"):
+        torch.autograd.grad([o for o, _ in outs], leaves, [torch.ones_like(sources[0])] * 2)

@@ -121,12 +121,14 @@ def _unpack_inputs(ctx) -> tuple[torch.Tensor, ...]:
             "mhar_route: backward through the same triton routing call twice (retain_graph=True) is not "
             "supported; use backend='torch' for double backward"
         )
+    names = ("null", "query", "norm_weight", "gate")
+    per_site = [f"site {k} {name}" for k in range(ctx.num_sites) for name in names] if ctx.num_sites > 1 else names
     for i, (t, version) in enumerate(zip(inputs, ctx.versions, strict=True)):
         if t._version != version:
+            what = per_site[i] if i < len(per_site) else f"source {i - len(per_site)}"
             raise RuntimeError(
-                f"mhar_route: input {i} of the routing call (null, query, norm_weight, gate, then the sources) "
-                f"was modified in place after the call (version {version} -> {t._version}); its gradient "
-                "would be wrong"
+                f"mhar_route: the routing call's {what} was modified in place after the call (version "
+                f"{version} -> {t._version}); its gradient would be wrong"
             )
     return inputs
 
@@ -141,6 +143,7 @@ class _Route(torch.autograd.Function):
         args = (x, sources, null, query, norm_weight, gate, num_heads, eps, tables, rstds, out_dtype)
         out, weights = host.forward(*args)
         ctx.num_heads, ctx.eps, ctx.rstds, ctx.tables, ctx.has_x = num_heads, eps, rstds, tables, x is not None
+        ctx.num_sites = 1
         # The backward needs the inputs only (not x). Kept on ctx rather than saved with
         # save_for_backward, so an activation checkpoint around the call has no saved
         # tensor to unpack and never re-runs the forward; the version check that
@@ -208,7 +211,7 @@ class _RoutePair(torch.autograd.Function):
         ctx.slots = shared.grad_slots(sources)
         rstds = _marked_rstds(sources, ctx.slots, eps, tables)
         (out_a, w_a), (out_b, w_b) = host.forward_pair(sources, sites, num_heads, eps, tables, rstds, out_dtype)
-        ctx.num_heads, ctx.eps, ctx.rstds, ctx.tables = num_heads, eps, rstds, tables
+        ctx.num_heads, ctx.eps, ctx.rstds, ctx.tables, ctx.num_sites = num_heads, eps, rstds, tables, 2
         ctx.inputs = inputs  # kept on ctx, not saved: as in _Route
         ctx.versions = [t._version for t in inputs]
         ctx.mark_non_differentiable(w_a, w_b)
