@@ -33,7 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.trace_summary import print_side_by_side, summarise
+from benchmarks.trace_summary import gap_report, print_gaps, print_name_diff, print_side_by_side, summarise
 from mhar_titan.components.tensorboard_scalars import read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,6 +133,9 @@ def run_arm(
         raise RuntimeError(f"[{arm}] exited {proc.returncode}; log in {out / f'{arm}.log'}:\n{proc.stderr[-3000:]}")
     which = 1 if arm == "stock" else 0
     last = steps - 2 if profile else None
+    rates = read_scalars(run, TAGS["tokens_per_s"][which])  # by step: steps that do more (EMA, statistics) show
+    by_step = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(rates.items()) if k > warmup)
+    print(f"[{ac}/{arm}] tokens/s by step: {by_step}")
     return {
         name: aggregate(read_scalars(run, tags[which]), warmup, tags[2], last)
         for name, tags in TAGS.items()
@@ -191,7 +194,12 @@ def main(argv: list[str] | None = None) -> None:
             if missing:
                 raise RuntimeError(f"no profiler trace written for {missing} under {where}")
             print(f"\nprofiled step {args.steps} (GPU kernel time; the step span includes idle gaps)")
-            print_side_by_side({arm: summarise(found[-1]) for arm, found in traces.items()})
+            summaries = {arm: summarise(found[-1]) for arm, found in traces.items()}
+            print_side_by_side(summaries)
+            if len(summaries) == 2:
+                print_name_diff(summaries)
+            for arm, found in traces.items():
+                print_gaps(arm, gap_report(found[-1], top=12))
     if len(modes) > 1:
         print_modes(results)
 

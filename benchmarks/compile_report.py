@@ -75,7 +75,8 @@ def main() -> None:
         "COEFS": (f32,) * calls, "QS": (p,) * calls, "GS": (p,) * calls, "CSUMS": (f32,) * n, "RSTDS": (f32,) * n,
         "NULL2": p, "Q2": p, "G2": p, "GATE2": p, "OUT2": p, "W2": f32, "DOUT2": p, "COEF2": f32, "PARTS2": f32,
     }  # fmt: skip
-    print(f"sm_90, d={d}, H={h}, {n} sources, {args.dtype}")
+    # the layout Triton picks for the row tiles (and so registers and barriers) changes between versions
+    print(f"sm_90, triton {triton.__version__}, d={d}, H={h}, {n} sources, {args.dtype}")
     print("| kernel | launch | warps | registers | spill bytes |")
     print("|---|---|---|---|---|")
     kernels = [

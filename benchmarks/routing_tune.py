@@ -90,8 +90,9 @@ def tune(args, bw: float) -> None:
         # the stats and finishing kernels alone (what a call's backward runs before its mix)
         srcs = [torch.randn_like(x) for _ in range(n)]
         rstds = [source_rstd(s, 1e-5) for s in srcs]  # as for sources marked with routing_source
-        for given, maxnreg in itertools.product((False, True), (None, 128, 168)):
-            tables = DEFAULT_TABLES.replace(stats={n: {"maxnreg": maxnreg, "given_rstd": given}})
+        for given, maxnreg, warps in itertools.product((False, True), (None, 168), (8, 16)):
+            shape = {"maxnreg": maxnreg, "given_rstd": given, "warps_per_4096": warps}
+            tables = DEFAULT_TABLES.replace(stats={n: shape})
             ms = do_bench(
                 lambda srcs=srcs, rstds=rstds, tables=tables: stats(
                     dout, srcs, z, q, g, gate, args.heads, 1e-5, rstds, tables
@@ -100,7 +101,7 @@ def tune(args, bw: float) -> None:
                 rep=50,
             )
             label = (
-                f"rows {tables.stats[n]['rows']}, registers <= {maxnreg or 'any'}, "
+                f"rows {tables.stats[n]['rows']}, {warps} warps, registers <= {maxnreg or 'any'}, "
                 f"rstd {'given' if given else 'computed'}"
             )
             print(f"| stats | {n} | {label} | {ms:.3f} | {(n + 1) * unit / (ms * 1e-3) / bw:.0%} |")
@@ -117,9 +118,9 @@ def tune(args, bw: float) -> None:
         finish(x, z, q, g, gate, args.heads)
 
 
-PAIR_SOURCES = (2, 5, 8)
-PAIR_FWD = [(1, 8, None), (2, 8, None), (2, 8, 128), (2, 16, None)]  # (rows, warps per 4096, register cap)
-PAIR_STATS = [(32, 8, None), (32, 8, 168), (16, 16, None), (32, 16, None)]
+PAIR_SOURCES = tuple(range(1, MAX_TRITON_SOURCES + 1))
+PAIR_FWD = [(1, 8, None), (1, 8, 128), (2, 8, None), (2, 8, 128)]  # (rows, warps per 4096, register cap)
+PAIR_STATS = [(16, 8, None), (32, 8, None), (64, 8, None)]
 
 
 def tune_pair(args, bw: float, n: int, dout: torch.Tensor, params: list[tuple]) -> None:

@@ -55,6 +55,7 @@ def summarise(trace_path: str | Path) -> dict[str, object]:
         "idle": idle_gaps(intervals),
         "by_kind": dict(by_kind),
         "top": by_name.most_common(12),
+        "by_name": dict(by_name),
     }
 
 
@@ -70,6 +71,68 @@ def idle_gaps(intervals: list[tuple[float, float]], at_least_ms: float = 0.1) ->
             long += gap if gap >= at_least_ms else 0.0
         end = b if end is None else max(end, b)
     return {"idle": total, f"idle in gaps >= {at_least_ms} ms": long}
+
+
+SYNC = re.compile(r"Synchronize|cudaMemcpy(?!Async)|cudaFree|cudaMalloc|cuMemcpyDtoH", re.I)
+
+
+def gap_report(trace_path: str | Path, top: int = 15, at_least_ms: float = 0.1) -> list[dict[str, object]]:
+    """The `top` longest GPU idle gaps (no kernel or copy on any stream) of at least `at_least_ms`,
+    each with the kernels either side, the CPU op that launched the next one (by its External id)
+    and the host calls that block (synchronisations, allocations) overlapping the gap: where the
+    host did not keep the GPU fed."""
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    gpu = sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+        key=lambda e: e["ts"],
+    )
+    ops = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation"):
+            ext = (e.get("args") or {}).get("External id")
+            if ext is not None and (ext not in ops or e.get("dur", 0) < ops[ext].get("dur", 0)):
+                ops[ext] = e  # the innermost op of that id
+    blocking = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and SYNC.search(e["name"])]
+    if not gpu:
+        return []
+    start = gpu[0]["ts"]
+    gaps, end, before = [], None, None
+    for e in gpu:
+        if end is not None and e["ts"] - end >= at_least_ms * 1e3:
+            gaps.append((e["ts"] - end, end, before, e))
+        if end is None or e["ts"] + e.get("dur", 0.0) > end:
+            end, before = e["ts"] + e.get("dur", 0.0), e
+    report = []
+    for length, at, prev, nxt in sorted(gaps, key=lambda g: -g[0])[:top]:
+        op = ops.get((nxt.get("args") or {}).get("External id"))
+        host = [b for b in blocking if b["ts"] < at + length and b["ts"] + b.get("dur", 0) > at]
+        report.append({
+            "ms": length / 1e3,
+            "at_ms": (at - start) / 1e3,
+            "after": prev["name"][:60],
+            "before": nxt["name"][:60],
+            "launched_by": op["name"][:60] if op else "?",
+            "host_blocking": ", ".join(f"{b['name']} {b.get('dur', 0) / 1e3:.2f} ms" for b in host[:3]),
+        })  # fmt: skip
+    return report
+
+
+def print_gaps(arm: str, report: list[dict[str, object]]) -> None:
+    print(f"\nlongest idle gaps, {arm}: ms, at (ms), kernel -> next kernel [its CPU op], blocking host calls")
+    for g in report:
+        where = f"{g['after']} -> {g['before']} [{g['launched_by']}]"
+        print(f"  {g['ms']:6.2f} at {g['at_ms']:7.1f}: {where} {g['host_blocking']}")
+
+
+def print_name_diff(summaries: dict[str, dict[str, object]], top: int = 15) -> None:
+    """Kernels whose GPU time differs most between two arms (same names: the same code)."""
+    (a, sa), (b, sb) = summaries.items()
+    names = set(sa["by_name"]) | set(sb["by_name"])
+    diff = sorted(names, key=lambda n: -abs(sb["by_name"].get(n, 0.0) - sa["by_name"].get(n, 0.0)))[:top]
+    print(f"\nkernels differing most, {b} minus {a} (ms)")
+    for n in diff:
+        va, vb = sa["by_name"].get(n, 0.0), sb["by_name"].get(n, 0.0)
+        print(f"  {vb - va:+8.2f}  ({va:7.2f} -> {vb:7.2f})  {n}")
 
 
 def print_side_by_side(summaries: dict[str, dict[str, object]]) -> None:
@@ -97,11 +160,23 @@ def print_side_by_side(summaries: dict[str, dict[str, object]]) -> None:
             print(f"  {ms:8.2f} ms  {name}")
 
 
+def label(trace_path: str | Path) -> str:
+    """A trace's arm: the folder holding torchtitan's profile_traces/, else the trace's folder."""
+    parts = Path(trace_path).parts
+    return parts[parts.index("profile_traces") - 1] if "profile_traces" in parts[1:] else Path(trace_path).parent.name
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("traces", nargs="+", help="profiler chrome traces (JSON), summarised side by side")
+    parser.add_argument("--gaps", type=int, default=0, help="also list each trace's N longest idle gaps")
     args = parser.parse_args(argv)
-    print_side_by_side({Path(t).parent.name or t: summarise(t) for t in args.traces})
+    summaries = {label(t): summarise(t) for t in args.traces}
+    print_side_by_side(summaries)
+    if len(summaries) == 2:
+        print_name_diff(summaries)
+    for t in args.traces if args.gaps else ():
+        print_gaps(label(t), gap_report(t, args.gaps))
 
 
 if __name__ == "__main__":

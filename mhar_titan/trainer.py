@@ -33,6 +33,7 @@ from mhar_titan.components.step_metrics import (
     flush,
     one_tensorboard_run,
     throughput,
+    to_device_nowait,
 )
 from mhar_titan.components.tensorboard_scalars import PRIMARY_TAGS, set_tags
 from mhar_titan.components.validate import write_validation_batches
@@ -214,15 +215,17 @@ class CPTTrainer(Trainer):
         batch_from = self.dataloader.batches
         microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
         self.tokens_seen += sum(labels.numel() for _, labels in microbatches) * self.dp_degree
-        local_tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches).to(self.device)
-        dp = self.parallel_dims.dp_enabled
-        global_tokens = dist_utils.dist_sum(local_tokens, self._batch_mesh()) if dp else local_tokens.float()
+        dev = self.device
+        local_tokens = to_device_nowait(sum((labels != IGNORE_INDEX).sum() for _, labels in microbatches), dev)
+        global_tokens = local_tokens.clone()  # summed on the device (torchtitan's dist_sum reads it back: a sync)
+        if self.parallel_dims.dp_enabled:
+            torch.distributed.all_reduce(global_tokens, group=self._batch_mesh().get_group())
         self._collect_routing_stats(self._routing_stats_due())
         losses = []
         for input_dict, labels in microbatches:
-            input_dict = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()}
+            input_dict = {k: to_device_nowait(v, dev) if torch.is_tensor(v) else v for k, v in input_dict.items()}
             loss = self.forward_backward_step(
-                input_dict=input_dict, labels=labels.to(self.device), global_valid_tokens=global_tokens
+                input_dict=input_dict, labels=to_device_nowait(labels, dev), global_valid_tokens=global_tokens
             )
             losses.append(loss.detach())
         self._collect_routing_stats(False)
@@ -279,10 +282,10 @@ class CPTTrainer(Trainer):
     def _agree(self, loss: torch.Tensor, grad_norm: torch.Tensor, own_mean: torch.Tensor) -> torch.Tensor:
         """[any rank's loss or the gradient norm non-finite, any rank asked to stop (a signal, or the
         STOP file, which rank 0 alone looks for), the largest rank's own mean loss], on the device,
-        by one MAX all-reduce a step."""
+        by one MAX all-reduce a step; built there (new_full: no host copy, which would wait for the GPU)."""
         self._asked = self.preemption.local_request(check_file=torch.distributed.get_rank() == 0)
         bad = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
-        flags = torch.stack([bad.float(), loss.new_tensor(float(self._asked is not None)), own_mean.float()])
+        flags = torch.stack([bad.float(), loss.new_full((), float(self._asked is not None)), own_mean.float()])
         if torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         return flags
@@ -305,8 +308,9 @@ class CPTTrainer(Trainer):
         return torch.cat(values), n_loss
 
     def _routing_stats_due(self) -> bool:
+        """At step 1 (as torchtitan's metrics) and every `stats_freq` steps: charts start at the start."""
         mhar = self.job_config.mhar
-        return mhar.enable and mhar.stats_freq > 0 and self.step % mhar.stats_freq == 0
+        return mhar.enable and mhar.stats_freq > 0 and (self.step == 1 or self.step % mhar.stats_freq == 0)
 
     def _collect_routing_stats(self, on: bool) -> None:
         """Ask the model for its routing statistics on this step's forwards (log steps only)."""
@@ -329,8 +333,6 @@ class CPTTrainer(Trainer):
             f"step {self.step}: non-finite loss or gradient (grad norm {float(grad_norm):.4g}); step skipped "
             f"({self.bad_steps_in_a_row} in a row, {self.skipped_steps} in all). {ranks}"
         )
-
-    # -- metrics ------------------------------------------------------------------------------
 
     def _log_step(
         self, grad_norm: float, loss_max: float, loss_values: list[float], stats: list[float], lrs: dict[str, float]

@@ -82,3 +82,29 @@ def test_trace_summary_sums_gpu_time_by_kernel_kind(tmp_path):
     assert s["gpu_ms"] == 6.75 and s["span_ms"] == 8.0
     # idle: 1.5-2.0 and 2.5-3.0 ms (two gaps of 0.5 ms), 7.25-7.5 (0.25 ms)
     assert s["idle"] == {"idle": 1.25, "idle in gaps >= 0.1 ms": 1.25}
+
+
+def test_gap_report_names_the_longest_gap_its_launching_op_and_the_blocking_host_call(tmp_path):
+    from benchmarks.trace_summary import gap_report, label
+
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "ts": 0, "dur": 1000, "args": {"External id": 1}},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_add", "ts": 1050, "dur": 100, "args": {"External id": 2}},
+        # a 0.6 ms gap, during which the host waits in a synchronisation, then a routing kernel
+        {"ph": "X", "cat": "kernel", "name": "route_fwd_kernel", "ts": 1750, "dur": 200, "args": {"External id": 3}},
+        # a 0.3 ms gap
+        {"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "ts": 2250, "dur": 100, "args": {"External id": 4}},
+        {"ph": "X", "cat": "cpu_op", "name": "MHARRoutePair", "ts": 1100, "dur": 700, "args": {"External id": 3}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 2000, "dur": 100, "args": {"External id": 4}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 1200, "dur": 400},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1300, "dur": 5},
+    ]
+    path = tmp_path / "mhar_triton" / "profile_traces" / "iteration_14" / "rank0_trace.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"traceEvents": events}))
+    gaps = gap_report(path, top=5)
+    assert [(g["ms"], g["at_ms"]) for g in gaps] == [(0.6, 1.15), (0.3, 1.95)]  # the 50 us gap is under 0.1 ms
+    assert gaps[0]["after"] == "triton_poi_add" and gaps[0]["before"] == "route_fwd_kernel"
+    assert gaps[0]["launched_by"] == "MHARRoutePair" and gaps[0]["host_blocking"] == "cudaStreamSynchronize 0.40 ms"
+    assert gaps[1]["launched_by"] == "aten::mm" and gaps[1]["host_blocking"] == ""
+    assert label(path) == "mhar_triton"

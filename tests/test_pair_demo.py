@@ -48,16 +48,16 @@ def test_pair_from_an_hf_base_starts_identical_and_the_report_says_so(tmp_path):
         assert [row["step"] for row in vset["rows"]] == [0, 2, 4]
         assert vset["rows"][0]["raw"]["delta"]["delta"] == 0.0  # step 0: the same base on the same batches
     assert "## Validation sets" in report and "### `code` (`val/code/ce`, `val/code/ce_ema`)" in report
-    # the MHAR arm's routing, from the statistics it logged at steps 2 and 4: a section with its PNGs, and the
+    # the MHAR arm's routing, from the statistics it logged at steps 1, 2 and 4: a section with its PNGs, and the
     # same pictures as images in the delta run; the control logged none
-    assert result["routing"]["steps"] == [2, 4] and result["routing"]["layers"] == 4
+    assert result["routing"]["steps"] == [1, 2, 4] and result["routing"]["layers"] == 4
     assert result["routing"]["sources"] == ["w_null", "w_embed", "w_d00"] and not result["routing"]["older_layout"]
     section = report.split("## Routing (`mhar`)")[1].split("## Throughput")[0]
     for name in (routing.WEIGHTS_PNG, routing.GATE_ENTROPY_PNG):
         assert (pair / "compare" / name).read_bytes()[:4] == b"\x89PNG" and f"]({name})" in section
     acc = EventAccumulator(str(event_files(pair / "delta")[0]), size_guidance={"images": 0})
     acc.Reload()
-    assert [e.step for e in acc.Images(routing.WEIGHTS_IMAGE)] == [2, 4]
+    assert [e.step for e in acc.Images(routing.WEIGHTS_IMAGE)] == [1, 2, 4]
     assert [e.step for e in acc.Images(routing.GATE_ENTROPY_IMAGE)] == [4]
     assert not [t for t in load_scalars(pair / "control") if t.startswith("mhar")]
     # each arm's folder records its resolved settings, which parse back to the arm's job

@@ -129,7 +129,8 @@ def test_without_grad_the_forward_computes_exactly_what_it_computes_with_grad():
 def test_one_forward_and_one_stats_launch_serve_both_sites(monkeypatch):
     """What makes the pair cheaper: one forward and one stats kernel per layer, not one per site
     (at the source counts whose table entry takes the two-site stats pass)."""
-    assert rt.STATS_PAIR[2] is not None
+    H, d, S, T = 8, 40, 3, 3
+    assert rt.STATS_PAIR[S] is not None
     counts = {"fwd": 0, "stats": 0}
     for kind in counts:
         launcher = getattr(rt, f"{kind}_launcher")
@@ -139,7 +140,6 @@ def test_one_forward_and_one_stats_launch_serve_both_sites(monkeypatch):
             return launcher(*args, **kw)
 
         monkeypatch.setattr(rt, f"{kind}_launcher", counted)
-    H, d, S, T = 8, 40, 2, 3
     leaves = pair(H, d, S, T, torch.float32)
     routed_pair("triton", leaves, S, H, [torch.randn_like(leaves[0]) for _ in range(2)], mark=True)
     assert counts == {"fwd": 1, "stats": 1}

@@ -23,11 +23,12 @@ def test_mhar_tiny_trains_moves_its_gates_and_logs_routing_stats(tmp_path):
         for site in SITE_NAMES:
             stats = (*STAT_NAMES, "w_deltas", *(f"w_{s}" for s in sources))
             values = {stat: scalars[routing_site_tag(site, stat, layer)] for stat in stats}
-            assert all(list(v) == [5, 10] for v in values.values()), (site, layer, values)
+            assert all(list(v) == [1, 5, 10] for v in values.values()), (site, layer, values)  # step 1 too
             if layer < 2:  # block 0 reads no delta: no tag for one
                 assert routing_site_tag(site, "w_d00", layer) not in scalars
             assert abs(values["gate"][10]) > 0, (site, layer)
-            for step in (5, 10):
+            assert values["gate"][1] == 0.0  # step 1's forward: the zero-initialised gate
+            for step in (1, 5, 10):
                 total = sum(values[f"w_{s}"][step] for s in sources)
                 assert total == pytest.approx(1.0, abs=1e-5), (site, layer, step)
                 assert values["w_deltas"][step] == pytest.approx(

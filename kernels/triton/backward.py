@@ -1,10 +1,10 @@
 """Backward kernels of the routing op: stats (coefficients and weight-gradient partials), finish, mix, norm term.
 
 None uses atomics (repeated runs are bitwise equal), and they need only the op's inputs:
-- stats: one pass over the sources per row that recomputes the softmax from the inputs and
-  writes, per source, row and head, the coefficients the sources' gradients are linear in; each
-  program also sums the weight gradients over its rows (the query/norm-weight term through two
-  online-rescaled running tiles), so a call's parameter gradients need nothing else;
+- stats: per row, a pass over the sources that recomputes the softmax from the inputs and
+  writes, per source, row and head, the coefficients the sources' gradients are linear in, and a
+  second over the same tiles (from L1) that adds the query/norm-weight term to the program's sums
+  over its rows, so a call's parameter gradients need nothing else;
 - finish: sums those per-program partials in a fixed order;
 - mix: a streaming kernel over (row block, column block) tiles, with no row-wide reduction,
   that turns the coefficients into every source's gradient (for up to 4 calls over the same
@@ -33,32 +33,32 @@ from kernels.triton.tiles import (
 
 
 @triton.jit
-def _stats_step(m, den, u, v, s, sd, lg, rstd):
-    """One source's turn in a site's online softmax, with the two running tiles U and V."""
-    m_new = tl.maximum(m, lg)
-    alpha = tl.exp(m - m_new)
-    e = tl.exp(lg - m_new)
-    den = den * alpha + e
-    er = e * rstd
-    u = u * alpha[:, None, None] + s * (er * sd)[:, None, None]
-    v = v * alpha[:, None, None] + s * er[:, None, None]
-    return m_new, den, u, v
+def _softmax_terms(lgs, cs, z_logit, c0, gate, NUM_SRC: tl.constexpr):
+    """A site's row from its per-source logits and dout products: (max, 1 / sum, null weight,
+    dot = sum_n w_n c_n)."""
+    m = z_logit
+    for i in tl.static_range(NUM_SRC):
+        m = tl.maximum(m, lgs[i])
+    w0 = tl.exp(z_logit - m)
+    den = w0
+    dot = w0 * c0
+    for i in tl.static_range(NUM_SRC):
+        e = tl.exp(lgs[i] - m)
+        den += e
+        dot += e * cs[i]
+    inv = 1.0 / den
+    return m, inv, w0 * inv, dot * inv
 
 
 @triton.jit
 def _stats_row(
-    t, w0do, dl0, dgate, m, den, u, v, cs, lgs, rstds, z_logit, c0, do, gate, COEF, row, M, plane,
+    w0do, dl0, dgate, m, inv, w0, dot, cs, lgs, rstds, c0, do, gate, COEF, row, M, plane,
     D: tl.constexpr, H: tl.constexpr, NUM_SRC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """A site's row, once every source is in: its sums over rows updated, its coefficients stored."""
+    """A site's row, once every source's logit is known: its coefficients stored, its sums over
+    rows updated; returns them and the per-source B (rstd_n dl_n) the second pass weighs sources by."""
     nn = tl.arange(0, BLOCK_N)[None, :]
     hw = tl.arange(0, BLOCK_H)[:, None]
-    inv = 1.0 / den
-    w0 = tl.exp(z_logit - m) * inv
-    dot = w0 * c0
-    for i in tl.static_range(NUM_SRC):
-        dot += tl.exp(lgs[i] - m) * inv * cs[i]
-    t += (gate * inv)[:, None, None] * (u - dot[:, None, None] * v)
     w0do += (gate * w0)[:, None, None] * do
     dl0 += gate * w0 * (c0 - dot)
     dgate += dot
@@ -67,19 +67,22 @@ def _stats_row(
     a_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
     b_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
     c_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+    bs = ()
     for i in tl.static_range(NUM_SRC):
         w = tl.exp(lgs[i] - m) * inv
         dl = gate * w * (cs[i] - dot)
+        b = dl * rstds[i]
+        bs = bs + (b,)
         sel = nn == i
         a_t = tl.where(sel, (gate * w)[:, None], a_t)
-        b_t = tl.where(sel, (dl * rstds[i])[:, None], b_t)
+        b_t = tl.where(sel, b[:, None], b_t)
         c_t = tl.where(sel, (dl * lgs[i] * (rstds[i] * rstds[i] / D))[:, None], c_t)
     offs = nn * (M * H) + row * H + hw
     valid = (nn < NUM_SRC) & (hw < H) & (row < M)
     tl.store(COEF + offs, a_t, mask=valid)
     tl.store(COEF + plane + offs, b_t, mask=valid)
     tl.store(COEF + 2 * plane + offs, c_t, mask=valid)
-    return t, w0do, dl0, dgate
+    return w0do, dl0, dgate, bs
 
 
 @triton.jit
@@ -138,10 +141,11 @@ def route_bwd_stats_kernel(
     # COEF[k, n - 1, row, h] holds A, B and C's terms per head (the mix kernel sums them) for the
     # sources n >= 1. The weight gradients are sums over rows: of sum_n B_n s_n (query, norm
     # weight), of A_0 dout (null), of dl_0 (the null's norm term) and of dot (gate); this
-    # program sums them over its ROWS rows into PARTS (_partials). sum_n B_n s_n needs dot,
-    # known only after the last source, so it is built as gate (U - dot V) / den from two
-    # running tiles, U = sum_n rstd_n e_n c_n s_n and V = sum_n rstd_n e_n s_n, rescaled with
-    # the online softmax's max as the forward's accumulator is: every source is read once.
+    # program sums them over its ROWS rows into PARTS (_partials). B_n needs dot, known only
+    # after the last source, so each row takes two passes over its sources: the first reduces
+    # them to per-head scalars (logits, c_n, norms), the second adds sum_n B_n s_n to the
+    # running sum, re-reading the row's sources, which the first pass has just brought into
+    # L1. Holding only scalars between the passes (no running row tiles) keeps registers low.
     # Per-source statistics are tuples of per-head vectors, which cost a register each.
     # SITES = 2: a second site over the same sources (DOUT2 .. PARTS2), each source read once for both.
     cols, mask = row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
@@ -171,17 +175,9 @@ def route_bwd_stats_kernel(
         s_a = load_raw(SRCS[0] + base + cols, row_mask, EVEN)
         if NUM_SRC > 1:
             s_b = load_raw(SRCS[1] + base + cols, row_mask, EVEN)
-        m = z_logit
-        den = tl.full([BLOCK_H], 1.0, tl.float32)
-        u = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
-        v = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
         c0 = head_sum(do * param(NULL, cols, mask))
         cs, lgs, rstds = (), (), ()
         if SITES > 1:
-            m2 = z_logit2
-            den2 = tl.full([BLOCK_H], 1.0, tl.float32)
-            u2 = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
-            v2 = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
             c02 = head_sum(do2 * param(NULL2, cols, mask))
             cs2, lgs2 = (), ()
         for i in tl.static_range(NUM_SRC):
@@ -199,27 +195,31 @@ def route_bwd_stats_kernel(
                 else:
                     ss, sd, sq, sd2, sq2 = head_sums5(s * s, s * do, s * qg, s * do2, s * qg2, JOINT)
                     rstd = tl.rsqrt(tl.sum(ss) / D + eps)
-                lg2 = sq2 * rstd
-                m2, den2, u2, v2 = _stats_step(m2, den2, u2, v2, s, sd2, lg2, rstd)
-                cs2, lgs2 = cs2 + (sd2,), lgs2 + (lg2,)
+                cs2, lgs2 = cs2 + (sd2,), lgs2 + (sq2 * rstd,)
             elif (KNOWN >> i) & 1:
                 sd, sq = head_sums2(s * do, s * qg, JOINT)
                 rstd = row_rstd(RSTDS[i], row, M, EVEN)
             else:
                 ss, sd, sq = head_sums3(s * s, s * do, s * qg, JOINT)
                 rstd = tl.rsqrt(tl.sum(ss) / D + eps)
-            lg = sq * rstd
-            m, den, u, v = _stats_step(m, den, u, v, s, sd, lg, rstd)
-            cs, lgs, rstds = cs + (sd,), lgs + (lg,), rstds + (rstd,)
-        t, w0do, dl0, dgate = _stats_row(
-            t, w0do, dl0, dgate, m, den, u, v, cs, lgs, rstds, z_logit, c0, do, gate, COEF, row, M, plane,
+            cs, lgs, rstds = cs + (sd,), lgs + (sq * rstd,), rstds + (rstd,)
+        m, inv, w0, dot = _softmax_terms(lgs, cs, z_logit, c0, gate, NUM_SRC)
+        w0do, dl0, dgate, bs = _stats_row(
+            w0do, dl0, dgate, m, inv, w0, dot, cs, lgs, rstds, c0, do, gate, COEF, row, M, plane,
             D, H, NUM_SRC, BLOCK_H, BLOCK_N,
         )  # fmt: skip
         if SITES > 1:
-            t2, w0do2, dl02, dgate2 = _stats_row(
-                t2, w0do2, dl02, dgate2, m2, den2, u2, v2, cs2, lgs2, rstds, z_logit2, c02, do2, gate2, COEF2, row,
-                M, plane, D, H, NUM_SRC, BLOCK_H, BLOCK_N,
+            m2, inv2, w02, dot2 = _softmax_terms(lgs2, cs2, z_logit2, c02, gate2, NUM_SRC)
+            w0do2, dl02, dgate2, bs2 = _stats_row(
+                w0do2, dl02, dgate2, m2, inv2, w02, dot2, cs2, lgs2, rstds, c02, do2, gate2, COEF2, row, M, plane,
+                D, H, NUM_SRC, BLOCK_H, BLOCK_N,
             )  # fmt: skip
+        # the second pass: sum_n B_n s_n, the sources re-read (from L1: the first pass just loaded them)
+        for i in tl.static_range(NUM_SRC):
+            s = load_raw(SRCS[i] + base + cols, row_mask, EVEN).to(tl.float32)
+            t += bs[i][:, None, None] * s
+            if SITES > 1:
+                t2 += bs2[i][:, None, None] * s
     _store_partials(PARTS, t, w0do, dl0, dgate, cols, mask, D, H, BLOCK_H, EVEN)
     if SITES > 1:
         _store_partials(PARTS2, t2, w0do2, dl02, dgate2, cols, mask, D, H, BLOCK_H, EVEN)

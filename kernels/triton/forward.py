@@ -1,12 +1,14 @@
 """Forward kernels of the routing op: the fused routing pass over a row, and a source's 1 / rms per row.
 
-Forward: one pass over the sources per token row, all heads at once; online softmax, the
-full-width RMS norm fused (or a marked source's 1 / rms read, computed once for all its
-calls), fp32 statistics, the null source read as one vector. Writes the routing weights
-[N, M, H] (fp32) beside the output, which is x + gate * R, or gate * R alone without x (the
-model adds x inside its compiled block, where the add is free). Two sites over the same
-sources (a layer's attention and MLP inputs) share one pass: each source is read once for both.
-"""
+Forward: per token row, all heads at once, two passes over the sources: the first reduces each
+source to its per-head logit (the full-width RMS norm fused, or a marked source's 1 / rms read,
+computed once for all its calls), the second re-reads the tiles the first just brought into L1
+and sums them with their softmax weights; only per-head scalars live between the passes, which
+keeps registers low (kernels/NOTES.md, v13). fp32 statistics, the null source read as one vector.
+Writes the routing weights [N, M, H] (fp32) beside the output, which is x + gate * R, or gate * R
+alone without x (the model adds x inside its compiled block, where the add is free). Two sites
+over the same sources (a layer's attention and MLP inputs) share the passes: each source is read
+from memory once for both."""
 
 import triton
 import triton.language as tl
@@ -37,27 +39,6 @@ def source_rstd_kernel(SRC, RSTD, M, eps, D: tl.constexpr, BLOCK_R: tl.constexpr
         x = tl.load(SRC + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         acc += x * x
     tl.store(RSTD + rows, tl.rsqrt(tl.sum(acc, axis=1) / D + eps), mask=rows < M)
-
-
-@triton.jit
-def _softmax_step(m, den, acc, logits, lg, s, nn, i: tl.constexpr):
-    """One source's turn in a site's online softmax: the running max, denominator and
-    accumulator rescaled, the source's logit kept for the weights."""
-    m_new = tl.maximum(m, lg)
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(lg - m_new)
-    den = den * alpha + p
-    acc = acc * alpha[:, None, None] + s * p[:, None, None]
-    logits = tl.where(nn == i + 1, lg[:, None], logits)
-    return m_new, den, acc, logits
-
-
-@triton.jit
-def _site_result(acc, m, den, logits, z_logit, NULL, gate, cols, mask):
-    """A site's gate * R and routing weights once every source is in: the null source enters
-    the accumulator last, so its tile is not held in registers across the loop."""
-    acc += tl.exp(z_logit - m)[:, None, None] * param(NULL, cols, mask)
-    return gate * (acc / den[:, None, None]), tl.exp(logits - m[:, None]) / den[:, None]
 
 
 @triton.jit
@@ -113,32 +94,24 @@ def route_fwd_kernel(
         row = start + r
         row_mask = mask & (row < M)
         base = row * D
-        # Online softmax over [null, sources...] per head. The null source enters the
-        # running max and denominator from the start, the accumulator at the end.
+        # Two passes over the row's sources: the first reduces each to its per-head logit, the
+        # second (re-reading the tiles the first just brought into L1) sums them with their final
+        # weights. Only per-head scalars live across the passes; no running accumulator is rescaled.
         m = z_logit
-        den = tl.full([BLOCK_H], 1.0, tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
         logits = tl.where(nn == 0, z_logit[:, None], 0.0)
         if SITES > 1:
             m2 = z_logit2
-            den2 = tl.full([BLOCK_H], 1.0, tl.float32)
-            acc2 = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
             logits2 = tl.where(nn == 0, z_logit2[:, None], 0.0)
-        # Loads run two sources ahead (then x, if added), so they overlap the reductions of
-        # the previous two: s_a is the tile in use next, s_b the one after it.
+        lgs, lgs2 = (), ()
         s_a = load_raw(SRCS[0] + base + cols, row_mask, EVEN)
         if NUM_SRC > 1:
             s_b = load_raw(SRCS[1] + base + cols, row_mask, EVEN)
-        elif HAS_X:
-            s_b = load_raw(X + base + cols, row_mask, EVEN)
         for i in tl.static_range(NUM_SRC):
             s = s_a.to(tl.float32)
-            if i + 1 < NUM_SRC or HAS_X:
+            if i + 1 < NUM_SRC:
                 s_a = s_b
             if i + 2 < NUM_SRC:
                 s_b = load_raw(SRCS[i + 2] + base + cols, row_mask, EVEN)
-            elif i + 2 == NUM_SRC and HAS_X:
-                s_b = load_raw(X + base + cols, row_mask, EVEN)
             qg = param(Q, cols, mask) * param(G, cols, mask)
             if SITES > 1:
                 qg2 = param(Q2, cols, mask) * param(G2, cols, mask)
@@ -148,21 +121,36 @@ def route_fwd_kernel(
                 else:
                     ss, sq, sq2 = head_sums3(s * s, s * qg, s * qg2, JOINT)
                     rstd = tl.rsqrt(tl.sum(ss) / D + eps)
-                m2, den2, acc2, logits2 = _softmax_step(m2, den2, acc2, logits2, sq2 * rstd, s, nn, i)
+                lg2 = sq2 * rstd
+                m2 = tl.maximum(m2, lg2)
+                logits2 = tl.where(nn == i + 1, lg2[:, None], logits2)
+                lgs2 = lgs2 + (lg2,)
                 lg = sq * rstd
             elif (KNOWN >> i) & 1:
                 lg = head_sum(s * qg) * row_rstd(RSTDS[i], row, M, EVEN)
             else:
                 ss, sq = head_sums2(s * s, s * qg, JOINT)
                 lg = sq * tl.rsqrt(tl.sum(ss) / D + eps)
-            m, den, acc, logits = _softmax_step(m, den, acc, logits, lg, s, nn, i)
-        routed, w = _site_result(acc, m, den, logits, z_logit, NULL, gate, cols, mask)
-        if HAS_X:
-            routed += s_a.to(tl.float32)  # s_a holds x by now
-        store(OUT + base + cols, routed, row_mask, EVEN)
-        w_offs = nn * (M * H) + row * H + hw
-        tl.store(W + w_offs, w, mask=w_mask & (row < M))
+            m = tl.maximum(m, lg)
+            logits = tl.where(nn == i + 1, lg[:, None], logits)
+            lgs = lgs + (lg,)
+        w = tl.where(w_mask, tl.exp(logits - m[:, None]), 0.0)
+        inv = 1.0 / tl.sum(w, axis=1)
+        acc = (tl.exp(z_logit - m) * inv * gate)[:, None, None] * param(NULL, cols, mask)
         if SITES > 1:
-            routed2, w2 = _site_result(acc2, m2, den2, logits2, z_logit2, NULL2, gate2, cols, mask)
-            store(OUT2 + base + cols, routed2, row_mask, EVEN)
-            tl.store(W2 + w_offs, w2, mask=w_mask & (row < M))
+            w2 = tl.where(w_mask, tl.exp(logits2 - m2[:, None]), 0.0)
+            inv2 = 1.0 / tl.sum(w2, axis=1)
+            acc2 = (tl.exp(z_logit2 - m2) * inv2 * gate2)[:, None, None] * param(NULL2, cols, mask)
+        for i in tl.static_range(NUM_SRC):
+            s = tl.load(SRCS[i] + base + cols, mask=row_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            acc += (tl.exp(lgs[i] - m) * inv * gate)[:, None, None] * s
+            if SITES > 1:
+                acc2 += (tl.exp(lgs2[i] - m2) * inv2 * gate2)[:, None, None] * s
+        if HAS_X:
+            acc += load_raw(X + base + cols, row_mask, EVEN).to(tl.float32)
+        store(OUT + base + cols, acc, row_mask, EVEN)
+        w_offs = nn * (M * H) + row * H + hw
+        tl.store(W + w_offs, w * inv[:, None], mask=w_mask & (row < M))
+        if SITES > 1:
+            store(OUT2 + base + cols, acc2, row_mask, EVEN)
+            tl.store(W2 + w_offs, w2 * inv2[:, None], mask=w_mask & (row < M))

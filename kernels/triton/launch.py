@@ -54,12 +54,18 @@ FWD = {
 STATS = {
     n: {"rows": 32, "warps_per_4096": 8, "maxnreg": 128 if n <= 3 else None, "given_rstd": n not in (5, 6)} for n in FWD
 }
-# Two sites over the same sources in one pass (a layer's two sites: host.forward_pair, stats_pair).
-# STATS_PAIR None: two single-site stats passes instead (at 7 and 8 sources the two-site pass,
-# at 255 registers, was slower than two single ones; 16 warps, 128 registers with spills: 2.6x slower).
-FWD_PAIR = {n: {"rows": 2, "warps_per_4096": 8, "maxnreg": 128, "given_rstd": True} for n in FWD}
+# Two sites over the same sources in one pass (a layer's two sites: host.forward_pair, stats_pair),
+# from `--tune pair` (docs/performance.md). STATS_PAIR None: two single-site stats passes instead
+# (at 1 and 2 sources those are faster: the two-site pass holds two sites' row sums at 181+ registers).
+_FWD_PAIR_SHAPES = {  # sources: (rows, register cap)
+    1: (2, None), 2: (2, None), 3: (1, 128), 4: (2, 128), 5: (1, None), 6: (1, 128), 7: (1, 128), 8: (2, 128),
+}  # fmt: skip
+FWD_PAIR = {
+    n: {"rows": rows, "warps_per_4096": 8, "maxnreg": cap, "given_rstd": True}
+    for n, (rows, cap) in _FWD_PAIR_SHAPES.items()
+}
 STATS_PAIR = {
-    n: {"rows": 32, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True} if n <= 6 else None for n in FWD
+    n: {"rows": 64, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True} if n >= 3 else None for n in FWD
 }
 MIX = {"block_m": 32, "block_kc": 64, "warps": 4, "calls": 4}  # calls: most calls one pass serves
 NORM = {"block_m": 32, "block_d": 128, "warps": 4}

@@ -35,7 +35,7 @@ class MHAR:
     lr_multiplier: float = 1.0
     """Routing parameters train at lr * lr_multiplier, without weight decay."""
     stats_freq: int = 10
-    """Log routing statistics to TensorBoard every this many steps (0: never)."""
+    """Log routing statistics to TensorBoard at step 1 and every this many steps (0: never)."""
 
     def validate(self, dim: int, n_layers: int) -> None:
         """Fail at start-up, naming the setting, on values the model cannot use (only when enabled)."""
