@@ -217,7 +217,7 @@ def report_lines(r: dict[str, Any] | None, mhar: str, delta_run: str) -> list[st
     lines = [
         f"## Routing (`{mhar}`)",
         "",
-        f"From the routing statistics `{mhar}` logged every `[mhar] stats_freq` steps ({logged}; tags "
+        f"From the routing statistics `{mhar}` logged at step 1 and every `[mhar] stats_freq` steps ({logged}; tags "
         "`mhar_<site>_<stat>/layerNN`, means over sites `mhar/<stat>/mean`): means over the tokens and heads of "
         "the step's last microbatch, averaged over the ranks; nothing is recomputed. The same pictures are images "
         f"in the TensorBoard run `{delta_run}` (`routing/weights` at steps {', '.join(map(str, chosen))}, "
