@@ -31,6 +31,7 @@ from mhar_titan.components.step_metrics import (
     StepClock,
     StepReadback,
     flush,
+    log_scalars,
     one_tensorboard_run,
     throughput,
     to_device_nowait,
@@ -242,9 +243,8 @@ class CPTTrainer(Trainer):
         logged, n_loss = self._logged_values(loss, self.loss_fn.take_parts())
         self.readback.stage(torch.cat([flags.double(), grad_norm.detach().double().reshape(1), logged]))
         if self.skip_on_device:
-            # The optimizer skips a bad step itself (fused AdamW's found_inf, as under a GradScaler),
-            # so it is issued before the host knows the verdict, and the host's reading of the
-            # step's values overlaps the update on the GPU.
+            # The optimizer skips a bad step itself (fused AdamW's found_inf, as under a GradScaler), so it is
+            # issued before the host knows the verdict: the host's reading of the step overlaps the update.
             for opt in self.optimizers.optimizers:
                 opt.found_inf = flags[0]
             self.checkpointer.maybe_wait_for_staging()
@@ -343,8 +343,8 @@ class CPTTrainer(Trainer):
         if loss_values:
             self._write_metrics(loss_values[0], loss_max, grad_norm, loss_values[1:], lrs)
         if stats:
-            values = torch.tensor(stats).reshape(self.model_args.n_layers, 2, -1)
-            self.metrics_processor.logger.log(name_routing_stats(values), self.step)
+            named = name_routing_stats(torch.tensor(stats).reshape(self.model_args.n_layers, 2, -1))
+            log_scalars(self.metrics_processor.logger, named, self.step)
 
     def _write_metrics(
         self, loss_v: float, loss_max: float, grad_norm: float, part_sums: list[float], lrs: dict[str, float]
@@ -373,7 +373,7 @@ class CPTTrainer(Trainer):
         metrics.update({f"lr/{name}": lr for name, lr in lrs.items()})
         metrics.update(throughput(mp))
         metrics.update(self.memory_phases.take())
-        mp.logger.log(metrics, self.step)
+        log_scalars(mp.logger, metrics, self.step)
         flush(mp)
         logger.info(
             f"step {self.step}/{self.job_config.training.steps}  loss {loss_v:.4f}"
@@ -397,7 +397,7 @@ class CPTTrainer(Trainer):
         metrics = {PRIMARY_TAGS[kind]: v[first] for kind, v in values.items()}
         for name in self.validator.names:
             metrics.update({set_tags(name)[kind]: v[name] for kind, v in values.items()})
-        self.metrics_processor.logger.log(metrics, self.step)
+        log_scalars(self.metrics_processor.logger, metrics, self.step)
         flush(self.metrics_processor)
         if torch.distributed.get_rank() == 0:
             folder = os.path.join(self.job_config.job.dump_folder, "validation")

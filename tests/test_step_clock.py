@@ -23,3 +23,36 @@ def test_the_eta_counts_the_periodic_work_still_to_come(monkeypatch):
     assert clock.eta_seconds() == 90 * 2.0 + 9 * 30.0 + 2 * 6.0
     assert clock.eta() == "7m42s"
     assert clock.pace(40960) == "2.00 s/step  tokens 40,960 (10.0%)"
+
+
+def test_log_scalars_writes_what_the_logger_writes_one_event_per_step(tmp_path):
+    """One event holding every value reads back, tag by tag and step by step, as torchtitan's
+    logger's one event per value (prefixed tags included); other loggers get their own log call."""
+    from torchtitan.components.metrics import BaseLogger, LoggerContainer, TensorBoardLogger
+
+    from mhar_titan.components.step_metrics import log_scalars
+    from mhar_titan.components.tensorboard_scalars import load_scalars
+
+    class Seen(BaseLogger):
+        def __init__(self):
+            self.calls = []
+
+        def log(self, metrics, step):
+            self.calls.append((dict(metrics), step))
+
+        def close(self):
+            pass
+
+    metrics = [{f"mhar_attn_gate/layer{i:02d}": 0.1 * i + step for i in range(40)} | {"loss": 2.5} for step in (0, 1)]
+    for tag in (None, "x"):
+        plain, ours, other = TensorBoardLogger(str(tmp_path / f"plain{tag}"), tag), LoggerContainer(), Seen()
+        ours.add_logger(TensorBoardLogger(str(tmp_path / f"ours{tag}"), tag))
+        ours.add_logger(other)
+        for step, m in enumerate(metrics, start=1):
+            plain.log(m, step)
+            log_scalars(ours, m, step)
+        plain.close()
+        ours.close()
+        assert load_scalars(tmp_path / f"ours{tag}") == load_scalars(tmp_path / f"plain{tag}")
+        assert len(load_scalars(tmp_path / f"ours{tag}")) == 41
+        assert other.calls == [(metrics[0], 1), (metrics[1], 2)]

@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
-from torchtitan.components.metrics import LoggerContainer, MetricsProcessor, TensorBoardLogger
+from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor, TensorBoardLogger
 
 
 def throughput(mp: MetricsProcessor) -> dict[str, float]:
@@ -56,6 +57,20 @@ class MemoryPhases:
     def take(self) -> dict[str, float]:
         seen, self.seen = self.seen, {}
         return {f"memory/after_{phase}_gib": seen[phase] for phase in self.PHASES if phase in seen}
+
+
+def log_scalars(logger: BaseLogger, metrics: dict[str, float], step: int) -> None:
+    """`logger.log(metrics, step)`, with each TensorBoard writer given one event that holds every
+    value (TensorBoard reads each as its own scalar): torch's add_scalar builds and queues an event
+    per value, which the routing statistics' hundreds of values turn into host time a step."""
+    for lg in logger._loggers if isinstance(logger, LoggerContainer) else [logger]:
+        writer = lg.writer.file_writer if isinstance(lg, TensorBoardLogger) else None
+        if writer is None:
+            lg.log(metrics, step)
+            continue
+        prefix = "" if lg.tag is None else f"{lg.tag}/"
+        values = [Summary.Value(tag=prefix + k, simple_value=float(v)) for k, v in metrics.items()]
+        writer.add_summary(Summary(value=values), step)
 
 
 def to_device_nowait(t: torch.Tensor, device: torch.device) -> torch.Tensor:
