@@ -33,7 +33,7 @@ from kernels.triton.tiles import (
 
 
 @triton.jit
-def _softmax_terms(lgs, cs, z_logit, c0, gate, NUM_SRC: tl.constexpr):
+def _softmax_terms(lgs, cs, z_logit, c0, NUM_SRC: tl.constexpr):
     """A site's row from its per-source logits and dout products: (max, 1 / sum, null weight,
     dot = sum_n w_n c_n)."""
     m = z_logit
@@ -203,13 +203,13 @@ def route_bwd_stats_kernel(
                 ss, sd, sq = head_sums3(s * s, s * do, s * qg, JOINT)
                 rstd = tl.rsqrt(tl.sum(ss) / D + eps)
             cs, lgs, rstds = cs + (sd,), lgs + (sq * rstd,), rstds + (rstd,)
-        m, inv, w0, dot = _softmax_terms(lgs, cs, z_logit, c0, gate, NUM_SRC)
+        m, inv, w0, dot = _softmax_terms(lgs, cs, z_logit, c0, NUM_SRC)
         w0do, dl0, dgate, bs = _stats_row(
             w0do, dl0, dgate, m, inv, w0, dot, cs, lgs, rstds, c0, do, gate, COEF, row, M, plane,
             D, H, NUM_SRC, BLOCK_H, BLOCK_N,
         )  # fmt: skip
         if SITES > 1:
-            m2, inv2, w02, dot2 = _softmax_terms(lgs2, cs2, z_logit2, c02, gate2, NUM_SRC)
+            m2, inv2, w02, dot2 = _softmax_terms(lgs2, cs2, z_logit2, c02, NUM_SRC)
             w0do2, dl02, dgate2, bs2 = _stats_row(
                 w0do2, dl02, dgate2, m2, inv2, w02, dot2, cs2, lgs2, rstds, c02, do2, gate2, COEF2, row, M, plane,
                 D, H, NUM_SRC, BLOCK_H, BLOCK_N,

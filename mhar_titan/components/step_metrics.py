@@ -59,11 +59,15 @@ class MemoryPhases:
         return {f"memory/after_{phase}_gib": seen[phase] for phase in self.PHASES if phase in seen}
 
 
+def _each_logger(logger: BaseLogger) -> list[BaseLogger]:
+    return logger._loggers if isinstance(logger, LoggerContainer) else [logger]
+
+
 def log_scalars(logger: BaseLogger, metrics: dict[str, float], step: int) -> None:
     """`logger.log(metrics, step)`, with each TensorBoard writer given one event that holds every
     value (TensorBoard reads each as its own scalar): torch's add_scalar builds and queues an event
     per value, which the routing statistics' hundreds of values turn into host time a step."""
-    for lg in logger._loggers if isinstance(logger, LoggerContainer) else [logger]:
+    for lg in _each_logger(logger):
         writer = lg.writer.file_writer if isinstance(lg, TensorBoardLogger) else None
         if writer is None:
             lg.log(metrics, step)
@@ -115,7 +119,7 @@ class StepReadback:
 
 def flush(mp: MetricsProcessor) -> None:
     """Push logged scalars to disk, so a killed job loses none of the steps it finished."""
-    for backend in getattr(mp.logger, "_loggers", [mp.logger]):
+    for backend in _each_logger(mp.logger):
         writer = getattr(backend, "writer", None)
         if writer is not None:
             writer.flush()
@@ -182,8 +186,7 @@ def one_tensorboard_run(mp: MetricsProcessor, folder: str, step: int) -> None:
     (torchtitan's), so a preempted and resumed job is one run in TensorBoard. Its events from step + 1
     on are purged (`purge_step`): a job resumed from an earlier checkpoint replaces what the lost
     timeline logged after it. Called once the checkpoint is loaded (`step`: the resumed step)."""
-    loggers = mp.logger._loggers if isinstance(mp.logger, LoggerContainer) else [mp.logger]
-    for lg in loggers:
+    for lg in _each_logger(mp.logger):
         if not isinstance(lg, TensorBoardLogger):
             continue
         old = Path(lg.writer.log_dir)
