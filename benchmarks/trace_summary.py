@@ -4,12 +4,13 @@
 these summaries side by side, so the MHAR arm's extra time can be read by kind: routing kernels,
 matmuls, attention, compiled elementwise/reduction kernels, eager elementwise, collectives, copies.
 
-    python -m benchmarks.trace_summary TRACE.json [TRACE.json ...]
+    python -m benchmarks.trace_summary [--gaps N] TRACE.json[.gz] [TRACE.json[.gz] ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
 from collections import Counter
@@ -34,9 +35,22 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def load_events(trace_path: str | Path) -> list[dict]:
+    """A chrome trace's events (plain or gzipped JSON); a file that is not one is refused by name."""
+    path = Path(trace_path)
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        events = json.loads(raw)["traceEvents"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a profiler chrome trace ({type(e).__name__}: {e})") from e
+    if not isinstance(events, list):
+        raise ValueError(f"{path}: not a profiler chrome trace (traceEvents is not a list)")
+    return events
+
+
 def summarise(trace_path: str | Path) -> dict[str, object]:
     """Milliseconds of GPU time per kind, the top kernels, and the profiled span."""
-    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    events = load_events(trace_path)
     by_kind: Counter[str] = Counter()
     by_name: Counter[str] = Counter()
     intervals = []
@@ -81,7 +95,7 @@ def gap_report(trace_path: str | Path, top: int = 15, at_least_ms: float = 0.1) 
     each with the kernels either side, the CPU op that launched the next one (by its External id)
     and the host calls that block (synchronisations, allocations) overlapping the gap: where the
     host did not keep the GPU fed."""
-    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    events = load_events(trace_path)
     gpu = sorted(
         (e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
         key=lambda e: e["ts"],
@@ -171,12 +185,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("traces", nargs="+", help="profiler chrome traces (JSON), summarised side by side")
     parser.add_argument("--gaps", type=int, default=0, help="also list each trace's N longest idle gaps")
     args = parser.parse_args(argv)
-    summaries = {label(t): summarise(t) for t in args.traces}
+    labels = [label(t) for t in args.traces]
+    if len(set(labels)) < len(labels):  # two traces of one folder: their paths tell them apart
+        labels = list(args.traces)
+    try:
+        summaries = {name: summarise(t) for name, t in zip(labels, args.traces, strict=True)}
+        gaps = [(name, gap_report(t, args.gaps)) for name, t in zip(labels, args.traces, strict=True) if args.gaps]
+    except ValueError as e:
+        parser.error(str(e))
     print_side_by_side(summaries)
     if len(summaries) == 2:
         print_name_diff(summaries)
-    for t in args.traces if args.gaps else ():
-        print_gaps(label(t), gap_report(t, args.gaps))
+    for name, report in gaps:
+        print_gaps(name, report)
 
 
 if __name__ == "__main__":

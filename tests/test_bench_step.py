@@ -108,3 +108,22 @@ def test_gap_report_names_the_longest_gap_its_launching_op_and_the_blocking_host
     assert gaps[0]["launched_by"] == "MHARRoutePair" and gaps[0]["host_blocking"] == "cudaStreamSynchronize 0.40 ms"
     assert gaps[1]["launched_by"] == "aten::mm" and gaps[1]["host_blocking"] == ""
     assert label(path) == "mhar_triton"
+
+
+def test_trace_summary_refuses_what_is_not_a_trace_and_keeps_two_traces_of_one_folder_apart(tmp_path, capsys):
+    import gzip
+
+    from benchmarks.trace_summary import main
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"traceEvents": 5}')
+    with pytest.raises(SystemExit):
+        main([str(bad)])
+    assert f"{bad}: not a profiler chrome trace" in capsys.readouterr().err
+    events = {"traceEvents": [{"ph": "X", "cat": "kernel", "name": "route_fwd_kernel", "ts": 0, "dur": 1000}]}
+    plain, zipped = tmp_path / "a.json", tmp_path / "a.json.gz"
+    plain.write_text(json.dumps(events))
+    zipped.write_bytes(gzip.compress(json.dumps(events).encode()))
+    main([str(plain), str(zipped)])  # one folder: each column named by its path, none dropped
+    head = capsys.readouterr().out.splitlines()[0]
+    assert str(plain) in head and str(zipped) in head
