@@ -92,7 +92,7 @@ def main() -> None:
         has_x = False if fn is route_fwd_kernel else None
         for warps_per_4096 in sorted({4, 8, 16, launch["warps_per_4096"]}):
             _, warps, consts = row_launch(
-                m, d, h, n, itemsize, launch["rows"], warps_per_4096, True, known, has_x, sites
+                m, d, h, n, itemsize, launch["rows"], warps_per_4096, True, known, has_x, sites, launch["prefetch"]
             )
             # the forward's register cap applies to its own launch shape only
             cap = launch.get("maxnreg") if warps_per_4096 == launch["warps_per_4096"] else None

@@ -119,13 +119,21 @@ def tune(args, bw: float) -> None:
 
 
 PAIR_SOURCES = tuple(range(1, MAX_TRITON_SOURCES + 1))
-PAIR_FWD = [(1, 8, None), (1, 8, 128), (2, 8, None), (2, 8, 128)]  # (rows, warps per 4096, register cap)
-PAIR_STATS = [(16, 8, None), (32, 8, None), (64, 8, None)]
+PAIR_FWD = [  # (rows, warps per 4096, register cap, prefetch)
+    (1, 8, None, False), (1, 8, 128, False), (2, 8, None, False), (2, 8, 128, False),
+    (2, 8, None, True), (2, 8, 128, True), (4, 8, None, True), (4, 8, 128, True),
+]  # fmt: skip
+PAIR_STATS = [(32, 8, None, False), (64, 8, None, False), (32, 8, None, True), (64, 8, None, True)]
+
+
+def _label(rows: int, warps: int, maxnreg: int | None, prefetch: bool) -> str:
+    return f"rows {rows}, {warps} warps, registers <= {maxnreg or 'any'}" + (", prefetch" if prefetch else "")
 
 
 def tune_pair(args, bw: float, n: int, dout: torch.Tensor, params: list[tuple]) -> None:
-    """A layer's two sites over n marked sources: two single-site calls (the default shapes) against
-    one two-site pass at each launch shape, for the forward and for the stats kernel."""
+    """A layer's two sites over n marked sources: two single-site calls against one two-site pass
+    at each launch shape, for the forward and for the stats kernel (single-site stats with and
+    without prefetch: a `STATS_PAIR` entry None takes two single-site passes)."""
     sites = [Site(*p) for p in params]
     srcs = [torch.randn_like(dout) for _ in range(n)]
     rstds = [source_rstd(s, 1e-5) for s in srcs]
@@ -139,24 +147,29 @@ def tune_pair(args, bw: float, n: int, dout: torch.Tensor, params: list[tuple]) 
             forward(None, srcs, *s, args.heads, 1e-5, DEFAULT_TABLES, rstds)
 
     row("fwd", "two single-site calls", do_bench(fwd_single, warmup=10, rep=50), (2 * n + 2) * unit)
-    for rows, warps, maxnreg in PAIR_FWD:
-        shape = {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg, "given_rstd": True}
+    for rows, warps, maxnreg, prefetch in PAIR_FWD:
+        shape = {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg, "given_rstd": True, "prefetch": prefetch}
         tables = DEFAULT_TABLES.replace(fwd_pair={n: shape})
         ms = do_bench(lambda t=tables: forward_pair(srcs, sites, args.heads, 1e-5, t, rstds), warmup=10, rep=50)
-        row("fwd, 2 sites", f"rows {rows}, {warps} warps, registers <= {maxnreg or 'any'}", ms, (n + 2) * unit)
+        row("fwd, 2 sites", _label(rows, warps, maxnreg, prefetch), ms, (n + 2) * unit)
 
-    def stats_single() -> None:
-        for s in sites:
-            stats(dout, srcs, *s, args.heads, 1e-5, rstds)
+    for prefetch in (False, True):
+        tables = DEFAULT_TABLES.replace(stats={n: {"prefetch": prefetch}})
 
-    row("stats", "two single-site calls", do_bench(stats_single, warmup=10, rep=50), (2 * n + 2) * unit)
-    for rows, warps, maxnreg in PAIR_STATS:
-        shape = {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg, "given_rstd": True}
+        def stats_single(t=tables) -> None:
+            for s in sites:
+                stats(dout, srcs, *s, args.heads, 1e-5, rstds, t)
+
+        shape = tables.stats[n]
+        label = "two single-site calls, " + _label(shape["rows"], 8, shape["maxnreg"], prefetch)
+        row("stats", label, do_bench(stats_single, warmup=10, rep=50), (2 * n + 2) * unit)
+    for rows, warps, maxnreg, prefetch in PAIR_STATS:
+        shape = {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg, "given_rstd": True, "prefetch": prefetch}
         tables = DEFAULT_TABLES.replace(stats_pair={n: shape})
         ms = do_bench(
             lambda t=tables: stats_pair([dout, dout], srcs, sites, args.heads, 1e-5, rstds, t), warmup=10, rep=50
         )
-        row("stats, 2 sites", f"rows {rows}, {warps} warps, registers <= {maxnreg or 'any'}", ms, (n + 2) * unit)
+        row("stats, 2 sites", _label(rows, warps, maxnreg, prefetch), ms, (n + 2) * unit)
 
 
 def finish(x, z, q, g, gate, num_heads: int) -> None:

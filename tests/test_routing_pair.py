@@ -86,14 +86,47 @@ def test_equals_one_call_per_site_bit_for_bit(H, d, S, T, dtype, two_site_stats,
     runs the same arithmetic in the same order, one load of each source serving both. So are the
     marked sources' gradients, which both ways sum in one mix pass per layer. The backward takes
     one two-site stats pass or, where its table says None, two single-site ones: both checked."""
-    shape = {"rows": 32, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True} if two_site_stats else None
-    monkeypatch.setitem(rt.STATS_PAIR, S, shape)
+    shape = {"rows": 32, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True, "prefetch": False}
+    monkeypatch.setitem(rt.STATS_PAIR, S, shape if two_site_stats else None)
     leaves = pair(H, d, S, T, dtype)
     grad_outs = [torch.randn_like(leaves[0]) for _ in range(2)]
     together = routed_pair("triton", leaves, S, H, grad_outs, mark=True)
     apart = routed_one_by_one(leaves, S, H, grad_outs, mark=True)
     for name, a, b in zip(names(S), together, apart, strict=True):
         assert torch.equal(a, b), name
+
+
+# one source and eight, as a pair (two-site passes) and one call per site (single-site passes);
+# in the interpreter a program walks 4 rows, so the last program's prefetch runs past the input's end
+@pytest.mark.parametrize("H,d,S,T", [SHAPES[2], SHAPES[4]])
+def test_prefetch_changes_no_bit(H, d, S, T, poisoned, monkeypatch):
+    """Issuing a row's first loads while the row before finishes (the tables' `prefetch`) loads
+    the same values into the same arithmetic: every output, weight and gradient is bit for bit
+    what it is without, in a pair and in one call per site."""
+    leaves = pair(H, d, S, T, torch.bfloat16)
+    grad_outs = [torch.randn_like(leaves[0]) for _ in range(2)]
+
+    def both():
+        return routed_pair("triton", leaves, S, H, grad_outs, mark=True) + routed_one_by_one(leaves, S, H, grad_outs)
+
+    tables = [t for t in (rt.FWD, rt.STATS, rt.FWD_PAIR, rt.STATS_PAIR) if t[S] is not None]
+    for table in tables:
+        monkeypatch.setitem(table[S], "prefetch", False)
+    plain = both()
+    for table in tables:
+        monkeypatch.setitem(table[S], "prefetch", True)
+    seen = set()
+    for kind in ("fwd", "stats"):
+        launcher = getattr(rt, f"{kind}_launcher")
+
+        def recorded(grid, warps, consts, *args, kind=kind, launcher=launcher, **kw):
+            seen.add((kind, consts["PREFETCH"]))
+            return launcher(grid, warps, consts, *args, **kw)
+
+        monkeypatch.setattr(rt, f"{kind}_launcher", recorded)
+    for name, a, b in zip(names(S) * 2, plain, both(), strict=True):
+        assert torch.equal(a, b), name
+    assert seen == {("fwd", True), ("stats", True)}
 
 
 def test_one_site_unused_gets_no_gradient_and_the_other_its_own(poisoned):

@@ -133,6 +133,7 @@ def route_bwd_stats_kernel(
     JOINT: tl.constexpr,
     KNOWN: tl.constexpr,
     SITES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # Per row and head, with c_n = <dout_h, s_n,h>, a_n = <(q g)_h, s_n,h>, w = softmax_n(a_n rstd_n)
     # (null: its own logit), dot = sum_n w_n c_n, dl_n = gate w_n (c_n - dot):
@@ -148,6 +149,9 @@ def route_bwd_stats_kernel(
     # L1. Holding only scalars between the passes (no running row tiles) keeps registers low.
     # Per-source statistics are tuples of per-head vectors, which cost a register each.
     # SITES = 2: a second site over the same sources (DOUT2 .. PARTS2), each source read once for both.
+    # PREFETCH: a row's first loads (its output gradients and first two sources) are issued while
+    # the row before finishes (its softmax, coefficients and second pass), so a program, one per
+    # SM, always has loads in flight; without it each row starts by waiting for memory.
     cols, mask = row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
     z_logit = null_logit(NULL, Q, G, cols, mask, D, eps, JOINT)
     gate = tl.load(GATE).to(tl.float32)
@@ -164,17 +168,24 @@ def route_bwd_stats_kernel(
         dl02 = tl.zeros([BLOCK_H], tl.float32)
         dgate2 = tl.zeros([BLOCK_H], tl.float32)
     start = tl.program_id(0).to(tl.int64) * ROWS
+    if PREFETCH:
+        n_do, n_do2, n_a, n_b = _lead_tiles(DOUT, DOUT2, SRCS, start * D + cols, mask & (start < M), NUM_SRC, SITES)
     for r in range(ROWS):
         row = start + r
         row_mask = mask & (row < M)
         base = row * D
-        do = load_raw(DOUT + base + cols, row_mask, EVEN).to(tl.float32)
-        if SITES > 1:
-            do2 = load_raw(DOUT2 + base + cols, row_mask, EVEN).to(tl.float32)
         # loads run two sources ahead of the reductions, as in the forward
-        s_a = load_raw(SRCS[0] + base + cols, row_mask, EVEN)
-        if NUM_SRC > 1:
-            s_b = load_raw(SRCS[1] + base + cols, row_mask, EVEN)
+        if PREFETCH:
+            do, do2, s_a, s_b = n_do.to(tl.float32), n_do2.to(tl.float32), n_a, n_b
+        else:
+            do = load_raw(DOUT + base + cols, row_mask, EVEN).to(tl.float32)
+            do2 = do
+            if SITES > 1:
+                do2 = load_raw(DOUT2 + base + cols, row_mask, EVEN).to(tl.float32)
+            s_a = load_raw(SRCS[0] + base + cols, row_mask, EVEN)
+            s_b = s_a
+            if NUM_SRC > 1:
+                s_b = load_raw(SRCS[1] + base + cols, row_mask, EVEN)
         c0 = head_sum(do * param(NULL, cols, mask))
         cs, lgs, rstds = (), (), ()
         if SITES > 1:
@@ -203,6 +214,9 @@ def route_bwd_stats_kernel(
                 ss, sd, sq = head_sums3(s * s, s * do, s * qg, JOINT)
                 rstd = tl.rsqrt(tl.sum(ss) / D + eps)
             cs, lgs, rstds = cs + (sd,), lgs + (sq * rstd,), rstds + (rstd,)
+        if PREFETCH:  # the next row of this program's, if any
+            n_mask = mask & (r + 1 < ROWS) & (row + 1 < M)
+            n_do, n_do2, n_a, n_b = _lead_tiles(DOUT, DOUT2, SRCS, base + D + cols, n_mask, NUM_SRC, SITES)
         m, inv, w0, dot = _softmax_terms(lgs, cs, z_logit, c0, NUM_SRC)
         w0do, dl0, dgate, bs = _stats_row(
             w0do, dl0, dgate, m, inv, w0, dot, cs, lgs, rstds, c0, do, gate, COEF, row, M, plane,
@@ -223,6 +237,22 @@ def route_bwd_stats_kernel(
     _store_partials(PARTS, t, w0do, dl0, dgate, cols, mask, D, H, BLOCK_H, EVEN)
     if SITES > 1:
         _store_partials(PARTS2, t2, w0do2, dl02, dgate2, cols, mask, D, H, BLOCK_H, EVEN)
+
+
+@triton.jit
+def _lead_tiles(DOUT, DOUT2, SRCS, offs, mask, NUM_SRC: tl.constexpr, SITES: tl.constexpr):
+    """A row's first loads, raw: its output gradient(s) and first two sources (a stand-in repeats
+    a tile the kernel has no second of). Masked: a row past the program's or the input's end loads
+    nothing."""
+    do = tl.load(DOUT + offs, mask=mask, other=0.0)
+    do2 = do
+    if SITES > 1:
+        do2 = tl.load(DOUT2 + offs, mask=mask, other=0.0)
+    s_a = tl.load(SRCS[0] + offs, mask=mask, other=0.0)
+    s_b = s_a
+    if NUM_SRC > 1:
+        s_b = tl.load(SRCS[1] + offs, mask=mask, other=0.0)
+    return do, do2, s_a, s_b
 
 
 @triton.jit

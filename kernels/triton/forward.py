@@ -42,6 +42,17 @@ def source_rstd_kernel(SRC, RSTD, M, eps, D: tl.constexpr, BLOCK_R: tl.constexpr
 
 
 @triton.jit
+def _lead_sources(SRCS, offs, mask, NUM_SRC: tl.constexpr):
+    """A row's first two sources, raw (the first twice with one source); masked: a row past the
+    program's or the input's end loads nothing."""
+    s_a = tl.load(SRCS[0] + offs, mask=mask, other=0.0)
+    s_b = s_a
+    if NUM_SRC > 1:
+        s_b = tl.load(SRCS[1] + offs, mask=mask, other=0.0)
+    return s_a, s_b
+
+
+@triton.jit
 def route_fwd_kernel(
     X,
     SRCS,
@@ -74,10 +85,12 @@ def route_fwd_kernel(
     KNOWN: tl.constexpr,
     HAS_X: tl.constexpr,
     SITES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # KNOWN: bit i set if source i's 1 / rms per row is given (RSTDS[i]); HAS_X: add x (X) to the
     # output, else write gate * R alone (X is not read). SITES = 2: a second site over the same
     # sources (NULL2 .. W2; the two sites of a layer), each source loaded once for both; without x.
+    # PREFETCH: a row's first two sources are loaded while the row before finishes (ROWS > 1).
     cols, mask = row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
     # per-source statistics as [heads, sources] tiles, laid out as the heads' sums come
     nn = tl.arange(0, BLOCK_N)[None, :]
@@ -90,6 +103,8 @@ def route_fwd_kernel(
         gate2 = tl.load(GATE2).to(tl.float32)
 
     start = tl.program_id(0).to(tl.int64) * ROWS
+    if PREFETCH:
+        n_a, n_b = _lead_sources(SRCS, start * D + cols, mask & (start < M), NUM_SRC)
     for r in range(ROWS):
         row = start + r
         row_mask = mask & (row < M)
@@ -103,9 +118,13 @@ def route_fwd_kernel(
             m2 = z_logit2
             logits2 = tl.where(nn == 0, z_logit2[:, None], 0.0)
         lgs, lgs2 = (), ()
-        s_a = load_raw(SRCS[0] + base + cols, row_mask, EVEN)
-        if NUM_SRC > 1:
-            s_b = load_raw(SRCS[1] + base + cols, row_mask, EVEN)
+        if PREFETCH:
+            s_a, s_b = n_a, n_b
+        else:
+            s_a = load_raw(SRCS[0] + base + cols, row_mask, EVEN)
+            s_b = s_a
+            if NUM_SRC > 1:
+                s_b = load_raw(SRCS[1] + base + cols, row_mask, EVEN)
         for i in tl.static_range(NUM_SRC):
             s = s_a.to(tl.float32)
             if i + 1 < NUM_SRC:
@@ -134,6 +153,8 @@ def route_fwd_kernel(
             m = tl.maximum(m, lg)
             logits = tl.where(nn == i + 1, lg[:, None], logits)
             lgs = lgs + (lg,)
+        if PREFETCH:  # the next row of this program's, if any
+            n_a, n_b = _lead_sources(SRCS, base + D + cols, mask & (r + 1 < ROWS) & (row + 1 < M), NUM_SRC)
         w = tl.where(w_mask, tl.exp(logits - m[:, None]), 0.0)
         inv = 1.0 / tl.sum(w, axis=1)
         acc = (tl.exp(z_logit - m) * inv * gate)[:, None, None] * param(NULL, cols, mask)

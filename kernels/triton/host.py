@@ -106,7 +106,7 @@ def _forward(x, sources, sites, num_heads, eps, tables, rstds, out_dtype) -> lis
     known, rstd_ptrs = _known_rstds(rstds if shape["given_rstd"] else (), len(srcs), weights[0])
     grid, warps, consts = launch.row_launch(
         m, d, num_heads, len(srcs), xs.element_size(), rows, shape["warps_per_4096"], not interp, known, x is not None,
-        len(sites),
+        len(sites), shape["prefetch"],
     )  # fmt: skip
     params = [tuple(t.contiguous() for t in site) for site in sites]
     second = (*params[-1], outs[-1], weights[-1])  # not read with one site
@@ -180,8 +180,9 @@ def _stats(grad_outs, sources, sites, num_heads, eps, rstds, tables) -> list[tup
     ]
     known, rstd_ptrs = _known_rstds(rstds if shape["given_rstd"] else (), n, works[0])
     grid, warps, consts = launch.row_launch(
-        m, d, num_heads, n, douts[0].element_size(), rows, shape["warps_per_4096"], not interp, known, None, len(sites)
-    )
+        m, d, num_heads, n, douts[0].element_size(), rows, shape["warps_per_4096"], not interp, known, None, len(sites),
+        shape["prefetch"],
+    )  # fmt: skip
     cap = None if interp else shape["maxnreg"]
     per_site = [
         (dout, *site, work[:coef_size], work[coef_size:]) for dout, site, work in zip(douts, params, works, strict=True)

@@ -42,30 +42,40 @@ MAX_SOURCES = 8  # the kernels' source pointers: embedding + 7 block deltas (num
 # given_rstd (forward and stats): read a marked source's rstd (computed once, host.source_rstd)
 # instead of computing its full-width norm, the row kernels' one cross-warp sum per source
 FWD = {
-    1: {"rows": 1, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True},
-    2: {"rows": 1, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True},
-    3: {"rows": 2, "warps_per_4096": 8, "maxnreg": 80, "given_rstd": True},
-    4: {"rows": 4, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True},
-    5: {"rows": 2, "warps_per_4096": 8, "maxnreg": 80, "given_rstd": True},
-    6: {"rows": 2, "warps_per_4096": 8, "maxnreg": 80, "given_rstd": True},
-    7: {"rows": 1, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True},
-    8: {"rows": 2, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True},
+    1: {"rows": 1, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True, "prefetch": False},
+    2: {"rows": 1, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True, "prefetch": False},
+    3: {"rows": 2, "warps_per_4096": 8, "maxnreg": 80, "given_rstd": True, "prefetch": False},
+    4: {"rows": 4, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True, "prefetch": False},
+    5: {"rows": 2, "warps_per_4096": 8, "maxnreg": 80, "given_rstd": True, "prefetch": False},
+    6: {"rows": 2, "warps_per_4096": 8, "maxnreg": 80, "given_rstd": True, "prefetch": False},
+    7: {"rows": 1, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True, "prefetch": False},
+    8: {"rows": 2, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True, "prefetch": False},
 }
 STATS = {
-    n: {"rows": 32, "warps_per_4096": 8, "maxnreg": 128 if n <= 3 else None, "given_rstd": n not in (5, 6)} for n in FWD
+    n: {
+        "rows": 32,
+        "warps_per_4096": 8,
+        "maxnreg": 128 if n <= 3 else None,
+        "given_rstd": n not in (5, 6),
+        "prefetch": n in (5, 6, 7),
+    }
+    for n in FWD
 }
 # Two sites over the same sources in one pass (a layer's two sites: host.forward_pair, stats_pair),
-# from `--tune pair` (docs/performance.md). STATS_PAIR None: two single-site stats passes instead
-# (at 1 and 2 sources those are faster: the two-site pass holds two sites' row sums at 181+ registers).
-_FWD_PAIR_SHAPES = {  # sources: (rows, register cap)
-    1: (2, None), 2: (2, None), 3: (1, 128), 4: (2, 128), 5: (1, None), 6: (1, 128), 7: (1, 128), 8: (2, 128),
+# from `--tune pair` (docs/performance.md). A STATS_PAIR entry None would take two single-site
+# stats passes instead; with the next row's loads prefetched the two-site pass is the faster at
+# every source count.
+_FWD_PAIR_SHAPES = {  # sources: (rows, register cap, prefetch)
+    1: (4, None, True), 2: (4, None, True), 3: (4, None, True), 4: (2, 128, False),
+    5: (1, None, False), 6: (1, 128, False), 7: (1, 128, False), 8: (2, 128, False),
 }  # fmt: skip
 FWD_PAIR = {
-    n: {"rows": rows, "warps_per_4096": 8, "maxnreg": cap, "given_rstd": True}
-    for n, (rows, cap) in _FWD_PAIR_SHAPES.items()
+    n: {"rows": rows, "warps_per_4096": 8, "maxnreg": cap, "given_rstd": True, "prefetch": prefetch}
+    for n, (rows, cap, prefetch) in _FWD_PAIR_SHAPES.items()
 }
 STATS_PAIR = {
-    n: {"rows": 64, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True} if n >= 3 else None for n in FWD
+    n: {"rows": 32 if n == 1 else 64, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True, "prefetch": n <= 6}
+    for n in FWD
 }
 MIX = {"block_m": 32, "block_kc": 64, "warps": 4, "calls": 4}  # calls: most calls one pass serves
 NORM = {"block_m": 32, "block_d": 128, "warps": 4}
@@ -218,11 +228,13 @@ def row_launch(
     known: int | None = None,
     has_x: bool | None = None,
     sites: int | None = None,
+    prefetch: bool | None = None,
 ) -> tuple:
     """(grid, num_warps, constexprs) of a row kernel over itemsize-byte elements; cached per
     shape, since computing it costs more Python time per call than launching the kernel.
     `known`: bit i set if source i's rstd is given (RSTDS[i]); `has_x`, for the forward: whether
-    the output adds x; `sites`: 1, or 2 for two sites over the same sources."""
+    the output adds x; `sites`: 1, or 2 for two sites over the same sources; `prefetch`: a row's
+    first loads issued while the row before finishes."""
     k = d // num_heads
     exact = m % rows == 0 and pow2(num_heads) == num_heads and pow2(k) == k
     consts = {
@@ -239,6 +251,7 @@ def row_launch(
         **({} if known is None else {"KNOWN": known}),
         **({} if has_x is None else {"HAS_X": has_x}),
         **({} if sites is None else {"SITES": sites}),
+        **({} if prefetch is None else {"PREFETCH": prefetch}),
     }
     warps = max(1, min(16, pow2(cdiv(d * warps_per_4096, 4096))))
     return (cdiv(m, rows),), warps, consts
