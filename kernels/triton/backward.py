@@ -23,6 +23,7 @@ from kernels.triton.tiles import (
     head_sums3,
     head_sums4,
     head_sums5,
+    lead_tiles,
     load_raw,
     null_logit,
     param,
@@ -169,7 +170,7 @@ def route_bwd_stats_kernel(
         dgate2 = tl.zeros([BLOCK_H], tl.float32)
     start = tl.program_id(0).to(tl.int64) * ROWS
     if PREFETCH:
-        n_do, n_do2, n_a, n_b = _lead_tiles(DOUT, DOUT2, SRCS, start * D + cols, mask & (start < M), NUM_SRC, SITES)
+        n_do, n_do2, n_a, n_b = lead_tiles(DOUT, DOUT2, SRCS, start * D + cols, mask & (start < M), NUM_SRC, SITES)
     for r in range(ROWS):
         row = start + r
         row_mask = mask & (row < M)
@@ -216,7 +217,7 @@ def route_bwd_stats_kernel(
             cs, lgs, rstds = cs + (sd,), lgs + (sq * rstd,), rstds + (rstd,)
         if PREFETCH:  # the next row of this program's, if any
             n_mask = mask & (r + 1 < ROWS) & (row + 1 < M)
-            n_do, n_do2, n_a, n_b = _lead_tiles(DOUT, DOUT2, SRCS, base + D + cols, n_mask, NUM_SRC, SITES)
+            n_do, n_do2, n_a, n_b = lead_tiles(DOUT, DOUT2, SRCS, base + D + cols, n_mask, NUM_SRC, SITES)
         m, inv, w0, dot = _softmax_terms(lgs, cs, z_logit, c0, NUM_SRC)
         w0do, dl0, dgate, bs = _stats_row(
             w0do, dl0, dgate, m, inv, w0, dot, cs, lgs, rstds, c0, do, gate, COEF, row, M, plane,
@@ -237,22 +238,6 @@ def route_bwd_stats_kernel(
     _store_partials(PARTS, t, w0do, dl0, dgate, cols, mask, D, H, BLOCK_H, EVEN)
     if SITES > 1:
         _store_partials(PARTS2, t2, w0do2, dl02, dgate2, cols, mask, D, H, BLOCK_H, EVEN)
-
-
-@triton.jit
-def _lead_tiles(DOUT, DOUT2, SRCS, offs, mask, NUM_SRC: tl.constexpr, SITES: tl.constexpr):
-    """A row's first loads, raw: its output gradient(s) and first two sources (a stand-in repeats
-    a tile the kernel has no second of). Masked: a row past the program's or the input's end loads
-    nothing."""
-    do = tl.load(DOUT + offs, mask=mask, other=0.0)
-    do2 = do
-    if SITES > 1:
-        do2 = tl.load(DOUT2 + offs, mask=mask, other=0.0)
-    s_a = tl.load(SRCS[0] + offs, mask=mask, other=0.0)
-    s_b = s_a
-    if NUM_SRC > 1:
-        s_b = tl.load(SRCS[1] + offs, mask=mask, other=0.0)
-    return do, do2, s_a, s_b
 
 
 @triton.jit

@@ -17,6 +17,7 @@ from kernels.triton.tiles import (
     head_sum,
     head_sums2,
     head_sums3,
+    lead_sources,
     load_raw,
     null_logit,
     param,
@@ -39,17 +40,6 @@ def source_rstd_kernel(SRC, RSTD, M, eps, D: tl.constexpr, BLOCK_R: tl.constexpr
         x = tl.load(SRC + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         acc += x * x
     tl.store(RSTD + rows, tl.rsqrt(tl.sum(acc, axis=1) / D + eps), mask=rows < M)
-
-
-@triton.jit
-def _lead_sources(SRCS, offs, mask, NUM_SRC: tl.constexpr):
-    """A row's first two sources, raw (the first twice with one source); masked: a row past the
-    program's or the input's end loads nothing."""
-    s_a = tl.load(SRCS[0] + offs, mask=mask, other=0.0)
-    s_b = s_a
-    if NUM_SRC > 1:
-        s_b = tl.load(SRCS[1] + offs, mask=mask, other=0.0)
-    return s_a, s_b
 
 
 @triton.jit
@@ -104,7 +94,7 @@ def route_fwd_kernel(
 
     start = tl.program_id(0).to(tl.int64) * ROWS
     if PREFETCH:
-        n_a, n_b = _lead_sources(SRCS, start * D + cols, mask & (start < M), NUM_SRC)
+        n_a, n_b = lead_sources(SRCS, start * D + cols, mask & (start < M), NUM_SRC)
     for r in range(ROWS):
         row = start + r
         row_mask = mask & (row < M)
@@ -154,7 +144,7 @@ def route_fwd_kernel(
             logits = tl.where(nn == i + 1, lg[:, None], logits)
             lgs = lgs + (lg,)
         if PREFETCH:  # the next row of this program's, if any
-            n_a, n_b = _lead_sources(SRCS, base + D + cols, mask & (r + 1 < ROWS) & (row + 1 < M), NUM_SRC)
+            n_a, n_b = lead_sources(SRCS, base + D + cols, mask & (r + 1 < ROWS) & (row + 1 < M), NUM_SRC)
         w = tl.where(w_mask, tl.exp(logits - m[:, None]), 0.0)
         inv = 1.0 / tl.sum(w, axis=1)
         acc = (tl.exp(z_logit - m) * inv * gate)[:, None, None] * param(NULL, cols, mask)

@@ -128,3 +128,26 @@ def null_logit(NULL, Q, G, cols, mask, D: tl.constexpr, eps, JOINT: tl.constexpr
     z = param(NULL, cols, mask)
     zz, zq = head_sums2(z * z, z * param(Q, cols, mask) * param(G, cols, mask), JOINT)
     return zq * tl.rsqrt(tl.sum(zz) / D + eps)
+
+
+@triton.jit
+def lead_sources(SRCS, offs, mask, NUM_SRC: tl.constexpr):
+    """A row's first two sources, raw (the first twice with one source); masked: a row past the
+    program's or the input's end loads nothing."""
+    s_a = tl.load(SRCS[0] + offs, mask=mask, other=0.0)
+    s_b = s_a
+    if NUM_SRC > 1:
+        s_b = tl.load(SRCS[1] + offs, mask=mask, other=0.0)
+    return s_a, s_b
+
+
+@triton.jit
+def lead_tiles(DOUT, DOUT2, SRCS, offs, mask, NUM_SRC: tl.constexpr, SITES: tl.constexpr):
+    """The stats kernel's first loads of a row: its output gradient(s) (the first twice with one
+    site) and `lead_sources`."""
+    do = tl.load(DOUT + offs, mask=mask, other=0.0)
+    do2 = do
+    if SITES > 1:
+        do2 = tl.load(DOUT2 + offs, mask=mask, other=0.0)
+    s_a, s_b = lead_sources(SRCS, offs, mask, NUM_SRC)
+    return do, do2, s_a, s_b
