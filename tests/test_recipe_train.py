@@ -1,5 +1,7 @@
 """The recipe under 2-rank FSDP2 on CPU: EMA against the parameter history, skipped non-finite steps."""
 
+import shutil
+
 import pytest
 import torch
 from conftest import torchrun
@@ -15,13 +17,20 @@ def weights(run, step, ema=False):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.fixture(scope="module")
+def seed_run(tmp_path_factory):
+    """Step 0 on disk: the weights a 2-rank job loads and starts its EMA from (made once, copied)."""
+    run = tmp_path_factory.mktemp("seed") / "run"
+    torchrun(run, "--checkpoint.create_seed_checkpoint", "--parallelism.data_parallel_shard_degree", "1", nproc=1)
+    return run
+
+
 @pytest.mark.parametrize("implementation", ["foreach", "fused"])
-def test_ema_follows_the_parameter_history_and_a_nan_step_is_skipped(tmp_path, implementation):
+def test_ema_follows_the_parameter_history_and_a_nan_step_is_skipped(tmp_path, implementation, seed_run):
     """foreach: the host reads the verdict before the update; fused: the optimizer skips the step on
     the device (found_inf) and the host reads the verdict after issuing it."""
     run, beta = tmp_path / "run", 0.7
-    # Step 0 on disk: the weights the 2-rank job loads and starts its EMA from.
-    torchrun(run, "--checkpoint.create_seed_checkpoint", "--parallelism.data_parallel_shard_degree", "1", nproc=1)
+    shutil.copytree(seed_run, run)
     proc = torchrun(
         run, "--training.steps", "6", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0",
         "--ema.beta", str(beta), "--optimizer.implementation", implementation, *FAST,

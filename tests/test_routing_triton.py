@@ -375,7 +375,7 @@ def test_tiny_model_trains_alike_on_both_backends():
         opt = build_optimizers([model], OptimizerConfig(lr=1e-2, implementation="for-loop"), parallel_dims=None)
         gen = torch.Generator().manual_seed(1)
         losses[backend] = []
-        for _ in range(4):
+        for _ in range(2):  # the second loss is after one update through either backend's backward
             tokens = torch.randint(0, args.vocab_size, (2, 25), generator=gen).to(DEVICE)
             logits = model(tokens[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
