@@ -178,7 +178,7 @@ def route_bwd_stats_kernel(
         # loads run two sources ahead of the reductions, as in the forward
         if PREFETCH:
             do, do2, s_a, s_b = n_do.to(tl.float32), n_do2.to(tl.float32), n_a, n_b
-        else:
+        else:  # inline, as the forward's (kernels/NOTES.md, v14), the code the tune measured
             do = load_raw(DOUT + base + cols, row_mask, EVEN).to(tl.float32)
             do2 = do
             if SITES > 1:

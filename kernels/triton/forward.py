@@ -110,7 +110,7 @@ def route_fwd_kernel(
         lgs, lgs2 = (), ()
         if PREFETCH:
             s_a, s_b = n_a, n_b
-        else:
+        else:  # inline, not lead_*: the helper costs registers here (kernels/NOTES.md, v14)
             s_a = load_raw(SRCS[0] + base + cols, row_mask, EVEN)
             s_b = s_a
             if NUM_SRC > 1:
