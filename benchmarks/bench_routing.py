@@ -43,7 +43,7 @@ from benchmarks.routing_cases import (
     route_fns,
     timed,
 )
-from benchmarks.routing_tune import tune
+from benchmarks.routing_tune import TUNE_KERNELS, tune
 
 
 def bench_microbatch(args, bw: float) -> list[dict]:
@@ -159,9 +159,12 @@ def main() -> None:
         "--tune",
         nargs="?",
         const="fwd,bwd,stats,group,finish",
-        help="time launch shapes of these kernels (fwd,fwd_rstd,bwd,stats,pair,group,finish) instead",
+        help=f"time launch shapes of these kernels ({','.join(TUNE_KERNELS)}) instead",
     )
     args = parser.parse_args()
+    unknown = [k for k in (args.tune or "").split(",") if args.tune and k not in TUNE_KERNELS]
+    if unknown:
+        parser.error(f"--tune: unknown {unknown}; choose from {', '.join(TUNE_KERNELS)}")
     unknown = [a for a in args.arms.split(",") if a not in ARMS]
     if unknown:
         parser.error(f"--arms: unknown {unknown}; choose from {', '.join(ARMS)}")

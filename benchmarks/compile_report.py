@@ -21,7 +21,7 @@ from triton.compiler import ASTSource
 
 from kernels.triton.backward import route_bwd_mix_kernel, route_bwd_stats_kernel
 from kernels.triton.forward import route_fwd_kernel
-from kernels.triton.launch import DEFAULT_TABLES, mix_launch, row_launch
+from kernels.triton.launch import DEFAULT_TABLES, MAX_SOURCES, mix_launch, row_launch
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
@@ -65,6 +65,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8, help="routing heads H")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the sources' dtype")
     args = parser.parse_args()
+    if not 1 <= args.sources <= MAX_SOURCES:
+        parser.error(f"--sources {args.sources}: the kernels take 1 to {MAX_SOURCES} caller sources")
     n, d, h, m = args.sources, args.dim, args.heads, 8192
     p, f32 = f"*{args.dtype}", "*fp32"
     itemsize = 2 if args.dtype == "bf16" else 4

@@ -25,6 +25,8 @@ from kernels.triton.host import (
 )
 from kernels.triton.launch import DEFAULT_TABLES, LaunchTables
 
+TUNE_KERNELS = ("fwd", "fwd_rstd", "bwd", "stats", "pair", "group", "finish")  # what `--tune` takes
+
 
 def tune(args, bw: float) -> None:
     """Time launch shapes of each kernel at the 8B width: the forward alone for every number of

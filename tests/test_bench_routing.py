@@ -3,6 +3,10 @@ model makes them, a layer's two sites in one pass or one call per site, sources 
 routing_source, gradients summed in place) compute the gradients its eager arm computes (per-call
 checkpoints), and its forwards with and without grad compute the same outputs."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 from test_routing_triton import condition_scales
 
@@ -52,3 +56,12 @@ def test_microbatch_arms_compute_the_same_gradients():
         assert torch.equal(a, b.detach())
     mb.forward(fns["triton"], paired=True)
     mb.forward(fns["triton"], grad=True, paired=True)
+
+
+def test_an_unknown_kernel_to_tune_is_refused_by_name_before_anything_runs():
+    """Checked before the GPU is looked for: on a GPU, an unknown name would otherwise time nothing."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_routing", "--tune", "pair,stat"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--tune: unknown ['stat']" in proc.stderr, proc.stderr

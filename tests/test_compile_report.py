@@ -18,3 +18,11 @@ def test_every_kernel_compiles_for_sm90_and_ptxas_reports_registers():
     rows = re.findall(r"^\| (fwd|stats|mix) \| [^|]+ \| (\d+) \| (\d+) \| (\d+) \|$", out, re.M)
     assert {r[0] for r in rows} == {"fwd", "stats", "mix"} and len(rows) == 10, out
     assert all(0 < int(regs) <= 255 for _, _, regs, _ in rows), out
+
+
+def test_a_source_count_the_kernels_do_not_take_is_refused_by_name():
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compile_report", "--sources", "9"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--sources 9: the kernels take 1 to 8 caller sources" in proc.stderr, proc.stderr
