@@ -25,7 +25,7 @@ from kernels.triton.host import (
 )
 from kernels.triton.launch import DEFAULT_TABLES, LaunchTables
 
-TUNE_KERNELS = ("fwd", "fwd_rstd", "bwd", "stats", "pair", "group", "finish")  # what `--tune` takes
+TUNE_KERNELS = ("fwd", "fwd_rstd", "bwd", "stats", "pair", "params", "group", "finish")  # what `--tune` takes
 
 
 def tune(args, bw: float) -> None:
@@ -109,6 +109,8 @@ def tune(args, bw: float) -> None:
             print(f"| stats | {n} | {label} | {ms:.3f} | {(n + 1) * unit / (ms * 1e-3) / bw:.0%} |")
     for n in PAIR_SOURCES if "pair" in kernels else ():
         tune_pair(args, bw, n, dout, [(z, q, g, gate), (q, g, z, 2 * gate)])
+    for n in PAIR_SOURCES if "params" in kernels else ():
+        param_dtypes(args, bw, n, dout, [(z, q, g, gate), (q, g, z, 2 * gate)])
     if "group" in kernels:
         # calls per mix pass: the microbatch's triton loop without the wrapper, GPU-bound in its backward
         mb = Microbatch(args.batch, args.seq, d, args.layers, args.blocks)
@@ -172,6 +174,28 @@ def tune_pair(args, bw: float, n: int, dout: torch.Tensor, params: list[tuple]) 
             lambda t=tables: stats_pair([dout, dout], srcs, sites, args.heads, 1e-5, rstds, t), warmup=10, rep=50
         )
         row("stats, 2 sites", _label(rows, warps, maxnreg, prefetch), ms, (n + 2) * unit)
+
+
+def param_dtypes(args, bw: float, n: int, dout: torch.Tensor, params: list[tuple]) -> None:
+    """A layer's two-site forward and stats passes (default tables) reading bf16 site parameters
+    (FSDP's, and autocast's since kernels/routing.py casts them) against fp32 ones (what one GPU
+    under autocast passed before): the row kernels re-read the parameter tiles per source."""
+    srcs = [torch.randn_like(dout) for _ in range(n)]
+    rstds = [source_rstd(s, 1e-5) for s in srcs]
+    unit = dout.numel() * dout.element_size()
+    for dtype in (torch.bfloat16, torch.float32):
+        sites = [Site(*(t.to(dtype) for t in p)) for p in params]
+        label = f"default shape, {str(dtype).removeprefix('torch.')} parameters"
+
+        def fwd(s=sites) -> None:
+            forward_pair(srcs, s, args.heads, 1e-5, DEFAULT_TABLES, rstds, dout.dtype)
+
+        def bwd_stats(s=sites) -> None:
+            stats_pair([dout, dout], srcs, s, args.heads, 1e-5, rstds, DEFAULT_TABLES)
+
+        for kernel, fn in (("fwd, 2 sites", fwd), ("stats, 2 sites", bwd_stats)):
+            ms = do_bench(fn, warmup=10, rep=50)
+            print(f"| {kernel} | {n} | {label} | {ms:.3f} | {(n + 2) * unit / (ms * 1e-3) / bw:.0%} |")
 
 
 def finish(x, z, q, g, gate, num_heads: int) -> None:

@@ -33,6 +33,7 @@ BACKENDS = ("auto", "torch", "triton", "triton_op")
 __all__ = [
     "BACKENDS",
     "MAX_TRITON_SOURCES",
+    "autocast_dtype",
     "compute_dtype",
     "mhar_route",
     "mhar_route_pair",
@@ -70,7 +71,7 @@ def route_torch(
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference routing: returns (x + gate * R, or gate * R when x is None; routing weights
-    [N, *shape[:-1], H]).
+    [N, *shape[:-1], H]). Its parameters as given (`mhar_route` casts them under autocast).
 
     Statistics and accumulation run in fp32 (fp64 for fp64 inputs); the output has x's dtype,
     or without x `out_dtype` (`compute_dtype`: the autocast dtype, else the site parameters').
@@ -92,6 +93,19 @@ def route_torch(
     if x is None:
         return out.to(out_dtype or query.dtype), weights
     return (x.to(acc) + out).to(x.dtype), weights
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """Under autocast the op reads its site parameters (null, query, norm weight, gate) in the
+    autocast dtype, as autocast's matmuls read their weights and as FSDP's mixed precision gathers
+    them: one GPU computes what N ranks compute. None where autocast is off."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def _cast_site(params: Sequence[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """`autocast_dtype`'s cast, through autograd (the torch and custom-op backends; the eager
+    triton Functions cast inside, in one kernel, and return the gradients in the parameters' dtype)."""
+    return [p if dtype is None else p.to(dtype) for p in params]
 
 
 def compute_dtype(query: torch.Tensor) -> torch.dtype:
@@ -142,11 +156,13 @@ def mhar_route_with_weights(
     _check(x, sources, query, num_heads)
     backend = resolve_backend(backend, sources[0].device)
     kw = {"num_heads": num_heads, "eps": eps, "out_dtype": None if x is not None else compute_dtype(query)}
+    param_dtype = autocast_dtype(sources[0].device)
     if backend == "triton":
-        return route_eager(x, sources, null, query, norm_weight, gate, **kw)
+        return route_eager(x, sources, null, query, norm_weight, gate, param_dtype=param_dtype, **kw)
+    site = _cast_site((null, query, norm_weight, gate), param_dtype)
     if backend == "triton_op":
-        return route_op(x, sources, null, query, norm_weight, gate, **kw)
-    return route_torch(x, sources, null, query, norm_weight, gate, **kw)
+        return route_op(x, sources, *site, **kw)
+    return route_torch(x, sources, *site, **kw)
 
 
 def mhar_route(
@@ -167,7 +183,7 @@ def mhar_route(
     (the model adds x inside its compiled block, where the add costs nothing); sources: [B, T, d] tensors
     (embedding, then completed block deltas), in order; null, query, norm_weight: [d];
     gate: one element (0-dim, or [1] as FSDP2 stores it, since it cannot shard
-    0-dim parameters).
+    0-dim parameters). Under autocast the parameters are read in its dtype (`autocast_dtype`).
     """
     out, _ = mhar_route_with_weights(
         x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps, backend=backend
@@ -194,8 +210,10 @@ def mhar_route_pair(
     backend = resolve_backend(backend, sources[0].device)
     site_a, site_b = sites
     if backend == "triton" and site_a[1].dtype == site_b[1].dtype:
-        out_dtype = compute_dtype(site_a[1])
-        return route_pair_eager(sources, site_a, site_b, num_heads=num_heads, eps=eps, out_dtype=out_dtype)
+        out_dtype, param_dtype = compute_dtype(site_a[1]), autocast_dtype(sources[0].device)
+        return route_pair_eager(
+            sources, site_a, site_b, num_heads=num_heads, eps=eps, out_dtype=out_dtype, param_dtype=param_dtype
+        )
     return [
         mhar_route_with_weights(None, sources, *site, num_heads=num_heads, eps=eps, backend=backend) for site in sites
     ]

@@ -161,6 +161,29 @@ def test_without_grad_the_forward_computes_exactly_what_it_computes_with_grad():
         assert b.requires_grad and not a.requires_grad
 
 
+def test_under_autocast_the_pair_reads_its_sites_as_fsdp_gathers_them(poisoned):
+    """The layer's call on one GPU (fp32 parameters under autocast) computes exactly what it computes
+    on bf16 parameters (FSDP's): outputs, weights, the marked sources' gradients, the parameters'
+    gradients once rounded to bf16 (they keep fp32); with and without grad."""
+    H, d, S, T = 8, 40, 3, 5
+    leaves = pair(H, d, S, T, torch.float32)
+    sources = [s.detach().bfloat16().requires_grad_() for s in leaves[:S]]
+    params = leaves[S:]
+    as_fsdp = [p.detach().bfloat16().requires_grad_() for p in params]
+    grad_outs = [torch.randn_like(sources[0]) for _ in range(2)]
+    want = routed_pair("triton", [*sources, *as_fsdp], S, H, grad_outs, mark=True)
+    with torch.autocast(sources[0].device.type, dtype=torch.bfloat16):
+        got = routed_pair("triton", [*sources, *params], S, H, grad_outs, mark=True)
+        with torch.no_grad():
+            marked = [routing_source(s, "triton") for s in sources]
+            plain = mhar_route_pair(marked, split(leaves, S)[1], num_heads=H, eps=EPS, backend="triton")
+    assert [g.dtype for g in got[4 + S :]] == [torch.float32] * 8
+    for name, a, b in zip(names(S), got, want, strict=True):
+        assert torch.equal(a.to(b.dtype), b), name
+    for (out, weights), a, w in zip(plain, got[:2], got[2:4], strict=True):
+        assert torch.equal(out, a) and torch.equal(weights, w)
+
+
 def test_one_forward_and_one_stats_launch_serve_both_sites(monkeypatch):
     """What makes the pair cheaper: one forward and one stats kernel per layer, not one per site
     (at the source counts whose table entry takes the two-site stats pass)."""

@@ -487,26 +487,27 @@ def test_a_marked_source_routed_again_after_its_gradient_was_handed_on_is_refuse
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "triton_op"])
-def test_under_autocast_the_output_without_x_has_the_autocast_dtype(backend, poisoned):
-    """One GPU trains under autocast with fp32 parameters: gate * R (and so its gradient) comes
-    out in the autocast dtype, as under FSDP's bf16 parameters, with x it keeps x's dtype; the
-    parameters' gradients keep theirs. The same values as the bf16 result of the torch backend."""
+def test_under_autocast_the_site_is_read_as_fsdp_gathers_it(backend, poisoned):
+    """One GPU trains under autocast with fp32 parameters: the op reads them in the autocast dtype,
+    as FSDP's mixed precision gathers them, so gate * R, the sources' gradients and the parameters'
+    gradients rounded to bf16 are exactly those of the same call on bf16 parameters; the output
+    without x has the autocast dtype, with x x's, and the gradients keep their tensors' dtypes."""
     H, d, T = 8, 40, 5
     leaves = site(H, d, 2, T, torch.float32)
     sources = [s.detach().bfloat16().requires_grad_() for s in leaves[1:3]]
     params = leaves[3:]
-    ref = route_torch(None, sources, *params, num_heads=H, eps=1e-5, out_dtype=torch.bfloat16)[0]
+    as_fsdp = [p.detach().bfloat16().requires_grad_() for p in params]
+    ref, _ = mhar_route_with_weights(None, sources, *as_fsdp, num_heads=H, eps=1e-5, backend=backend)
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), [*sources, *as_fsdp])
     with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
         out, _ = mhar_route_with_weights(None, sources, *params, num_heads=H, eps=1e-5, backend=backend)
         with_x, _ = mhar_route_with_weights(leaves[0], sources, *params, num_heads=H, eps=1e-5, backend=backend)
     assert out.dtype == torch.bfloat16 and with_x.dtype == torch.float32
-    # each is one bf16 rounding of an fp32 value; the two fp32 values differ by the fp32 sums' error
-    # (a few eps32 of the largest term, atol), so the results are within that plus one bf16 ulp (2**-7 relative)
-    fp32_error = 64 * torch.finfo(torch.float32).eps * ref.float().abs().max().item()
-    gap = (out.float() - ref.float()).abs().max()
-    assert torch.allclose(out.float(), ref.float(), rtol=2**-7, atol=fp32_error), gap
+    assert torch.equal(out, ref)
     grads = torch.autograd.grad(out.float().square().sum(), [*sources, *params])
     assert [g.dtype for g in grads] == [t.dtype for t in (*sources, *params)]
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert torch.equal(g.bfloat16(), r)
 
 
 @pytest.mark.parametrize("backend", ["triton", "triton_op"])

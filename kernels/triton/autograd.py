@@ -137,13 +137,13 @@ class _Route(torch.autograd.Function):
     """The kernels for eager mode, without the custom-op dispatch."""
 
     @staticmethod
-    def forward(ctx, x, null, query, norm_weight, gate, num_heads, eps, tables, out_dtype, *sources):
+    def forward(ctx, x, null, query, norm_weight, gate, num_heads, eps, tables, out_dtype, param_dtype, *sources):
         ctx.slots = shared.grad_slots(sources)
         rstds = _marked_rstds(sources, ctx.slots, eps, tables)
-        args = (x, sources, null, query, norm_weight, gate, num_heads, eps, tables, rstds, out_dtype)
-        out, weights = host.forward(*args)
+        site = in_dtype((null, query, norm_weight, gate), param_dtype)
+        out, weights = host.forward(x, sources, *site, num_heads, eps, tables, rstds, out_dtype)
         ctx.num_heads, ctx.eps, ctx.rstds, ctx.tables, ctx.has_x = num_heads, eps, rstds, tables, x is not None
-        ctx.num_sites = 1
+        ctx.num_sites, ctx.site = 1, site
         # The backward needs the inputs only (not x). Kept on ctx rather than saved with
         # save_for_backward, so an activation checkpoint around the call has no saved
         # tensor to unpack and never re-runs the forward; the version check that
@@ -156,14 +156,16 @@ class _Route(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights):
-        null, query, norm_weight, gate, *sources = _unpack_inputs(ctx)
+        inputs = _unpack_inputs(ctx)
+        params, sources = inputs[:4], inputs[4:]  # the parameters: their gradients' dtypes
+        site, ctx.site = ctx.site, None
         if grad_out is None:  # the output did not reach the loss
-            return (None,) * (9 + len(sources))
+            return (None,) * (10 + len(sources))
         shared.check_open(ctx.slots)
         rstds, ctx.rstds = ctx.rstds, None
         tables = ctx.tables
         call, dz, dq, dg, dgate = host.stats(
-            grad_out, sources, null, query, norm_weight, gate, ctx.num_heads, ctx.eps, rstds, tables
+            grad_out, sources, *site, ctx.num_heads, ctx.eps, rstds, tables, grad_like=params
         )
         # A shared source's gradient goes to its slot (None to autograd), the others to autograd.
         if all(slot is not None for slot in ctx.slots):
@@ -172,7 +174,7 @@ class _Route(torch.autograd.Function):
         else:
             dsrcs = host.mix([call], sources, ctx.slots, ctx.num_heads, tables)
         dx = grad_out if ctx.has_x else None
-        return dx, dz, dq, dg, dgate, None, None, None, None, *dsrcs
+        return dx, dz, dq, dg, dgate, None, None, None, None, None, *dsrcs
 
 
 def route_eager(
@@ -187,17 +189,21 @@ def route_eager(
     eps: float,
     tables: LaunchTables | None = None,
     out_dtype: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused routing through the eager autograd.Function: (x + gate * R, or gate * R in
     `out_dtype` (default: the parameters') when x is None; routing weights [N, *shape[:-1], H]
-    fp32). `tables`: launch shapes, DEFAULT_TABLES
-    unless a benchmark passes its own. With nothing to differentiate (validation, evaluation,
-    inference) the forward kernel is launched directly, with no autograd bookkeeping."""
+    fp32). `param_dtype`: the dtype the kernels read the site parameters in (autocast's,
+    kernels/routing.py; None: theirs); their gradients keep the parameters' dtype. `tables`:
+    launch shapes, DEFAULT_TABLES unless a benchmark passes its own. With nothing to
+    differentiate (validation, evaluation, inference) the forward kernel is launched directly,
+    with no autograd bookkeeping."""
     tables = tables or DEFAULT_TABLES
     if not torch.is_grad_enabled() or not _any_requires_grad(x, null, query, norm_weight, gate, sources):
         rstds = _marked_rstds(sources, shared.grad_slots(sources), eps, tables)  # the norms read with grad too
-        return host.forward(x, sources, null, query, norm_weight, gate, num_heads, eps, tables, rstds, out_dtype)
-    return _Route.apply(x, null, query, norm_weight, gate, num_heads, eps, tables, out_dtype, *sources)
+        site = in_dtype((null, query, norm_weight, gate), param_dtype)
+        return host.forward(x, sources, *site, num_heads, eps, tables, rstds, out_dtype)
+    return _Route.apply(x, null, query, norm_weight, gate, num_heads, eps, tables, out_dtype, param_dtype, *sources)
 
 
 class _RoutePair(torch.autograd.Function):
@@ -205,13 +211,15 @@ class _RoutePair(torch.autograd.Function):
     read each source once for both; otherwise `_Route`, twice."""
 
     @staticmethod
-    def forward(ctx, num_heads, eps, tables, out_dtype, n_params, *inputs):
+    def forward(ctx, num_heads, eps, tables, out_dtype, param_dtype, n_params, *inputs):
         params, sources = inputs[:n_params], inputs[n_params:]
-        sites = (host.Site(*params[:4]), host.Site(*params[4:]))
+        work = in_dtype(params, param_dtype)
+        sites = (host.Site(*work[:4]), host.Site(*work[4:]))
         ctx.slots = shared.grad_slots(sources)
         rstds = _marked_rstds(sources, ctx.slots, eps, tables)
         (out_a, w_a), (out_b, w_b) = host.forward_pair(sources, sites, num_heads, eps, tables, rstds, out_dtype)
         ctx.num_heads, ctx.eps, ctx.rstds, ctx.tables, ctx.num_sites = num_heads, eps, rstds, tables, 2
+        ctx.sites = sites
         ctx.inputs = inputs  # kept on ctx, not saved: as in _Route
         ctx.versions = [t._version for t in inputs]
         ctx.mark_non_differentiable(w_a, w_b)
@@ -221,18 +229,23 @@ class _RoutePair(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_a, _gw_a, grad_b, _gw_b):
         inputs = _unpack_inputs(ctx)
-        params, sources = inputs[:8], inputs[8:]
-        sites = (host.Site(*params[:4]), host.Site(*params[4:]))
+        params, sources = (inputs[:4], inputs[4:8]), inputs[8:]  # the parameters: their gradients' dtypes
+        sites, ctx.sites = ctx.sites, None
         rstds, ctx.rstds = ctx.rstds, None
-        nothing = (None,) * (5 + len(inputs))
-        reached = [(g, site) for g, site in zip((grad_a, grad_b), sites, strict=True) if g is not None]
+        nothing = (None,) * (6 + len(inputs))
+        reached = [(g, s, p) for g, s, p in zip((grad_a, grad_b), sites, params, strict=True) if g is not None]
         if not reached:  # neither output reached the loss
             return nothing
         shared.check_open(ctx.slots)
         if len(reached) == 2 and ctx.tables.stats_pair[len(sources)] is not None:
-            results = host.stats_pair((grad_a, grad_b), sources, sites, ctx.num_heads, ctx.eps, rstds, ctx.tables)
+            results = host.stats_pair(
+                (grad_a, grad_b), sources, sites, ctx.num_heads, ctx.eps, rstds, ctx.tables, grads_like=params
+            )
         else:  # one site reached the loss, or two single-site passes are the faster (the table's None)
-            results = [host.stats(g, sources, *site, ctx.num_heads, ctx.eps, rstds, ctx.tables) for g, site in reached]
+            results = [
+                host.stats(g, sources, *site, ctx.num_heads, ctx.eps, rstds, ctx.tables, grad_like=like)
+                for g, site, like in reached
+            ]
         # the second site's first, as autograd would run two separate calls (the later one first):
         # the sums come out in the same order, so bit for bit the same
         calls = [r[0] for r in results][::-1]
@@ -247,7 +260,7 @@ class _RoutePair(torch.autograd.Function):
                 dsrcs = [a if a is None else a.add_(b) for a, b in zip(dsrcs, more, strict=True)]
         grads = iter(r[1:] for r in results)
         dparams = [next(grads) if g is not None else (None,) * 4 for g in (grad_a, grad_b)]
-        return (None,) * 5 + (*dparams[0], *dparams[1], *dsrcs)
+        return (None,) * 6 + (*dparams[0], *dparams[1], *dsrcs)
 
 
 def route_pair_eager(
@@ -259,19 +272,38 @@ def route_pair_eager(
     eps: float,
     tables: LaunchTables | None = None,
     out_dtype: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Two sites over the same sources through `_RoutePair`: per site (gate * R in `out_dtype`,
     default its parameters'; routing weights [N, *shape[:-1], H] fp32). Each site is (null,
-    query, norm weight, gate). Without anything to differentiate the forward kernel is launched
-    directly, as in `route_eager`."""
+    query, norm weight, gate); `param_dtype` as in `route_eager`. Without anything to
+    differentiate the forward kernel is launched directly, as in `route_eager`."""
     tables = tables or DEFAULT_TABLES
     params = (*site_a, *site_b)
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (*params, *sources)):
         rstds = _marked_rstds(sources, shared.grad_slots(sources), eps, tables)
-        sites = (host.Site(*site_a), host.Site(*site_b))
+        work = in_dtype(params, param_dtype)
+        sites = (host.Site(*work[:4]), host.Site(*work[4:]))
         return host.forward_pair(sources, sites, num_heads, eps, tables, rstds, out_dtype)
-    out_a, w_a, out_b, w_b = _RoutePair.apply(num_heads, eps, tables, out_dtype, len(params), *params, *sources)
+    out_a, w_a, out_b, w_b = _RoutePair.apply(
+        num_heads, eps, tables, out_dtype, param_dtype, len(params), *params, *sources
+    )
     return [(out_a, w_a), (out_b, w_b)]
+
+
+def in_dtype(params: Sequence[torch.Tensor], dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:
+    """The site parameters as the kernels read them: in `dtype` (None, or theirs: unchanged), joined
+    and cast in two kernels, not one cast per parameter (a `cat` into a buffer of another dtype
+    copies each input on its own); detached, as the Functions differentiate through their own
+    backward."""
+    if dtype is None or all(p.dtype == dtype for p in params):
+        return tuple(params)
+    flat = torch.cat([p.detach().reshape(-1) for p in params]).to(dtype)
+    views, at = [], 0
+    for p in params:
+        views.append(flat[at : at + p.numel()].view(p.shape))
+        at += p.numel()
+    return tuple(views)
 
 
 def _marked_rstds(sources, slots, eps: float, tables: LaunchTables) -> list[torch.Tensor | None]:
@@ -304,10 +336,11 @@ def _route_eager_in_graph(
     eps: float,
     tables: LaunchTables | None = None,
     out_dtype: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What torch.compile traces in place of `route_eager`: `route_op`, one graph node (with the
     default launch tables, the only ones the custom op knows)."""
-    return route_op(x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps, out_dtype=out_dtype)
+    return _route_op_cast(x, sources, (null, query, norm_weight, gate), num_heads, eps, out_dtype, param_dtype)
 
 
 @torch.compiler.substitute_in_graph(route_pair_eager)
@@ -320,8 +353,14 @@ def _route_pair_eager_in_graph(
     eps: float,
     tables: LaunchTables | None = None,
     out_dtype: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """What torch.compile traces in place of `route_pair_eager`: `route_op` once per site."""
-    return [
-        route_op(None, sources, *site, num_heads=num_heads, eps=eps, out_dtype=out_dtype) for site in (site_a, site_b)
-    ]
+    return [_route_op_cast(None, sources, site, num_heads, eps, out_dtype, param_dtype) for site in (site_a, site_b)]
+
+
+def _route_op_cast(x, sources, site, num_heads: int, eps: float, out_dtype, param_dtype):
+    """`route_op` on the site's parameters cast to `param_dtype` in the graph (the eager
+    Functions' `in_dtype`, differentiated by autograd here)."""
+    site = [p if param_dtype is None else p.to(param_dtype) for p in site]
+    return route_op(x, sources, *site, num_heads=num_heads, eps=eps, out_dtype=out_dtype)

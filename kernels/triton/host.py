@@ -137,12 +137,14 @@ def stats(
     eps: float,
     rstds: Sequence[torch.Tensor | None] = (),
     tables: LaunchTables = DEFAULT_TABLES,
+    grad_like: Sequence[torch.Tensor] | None = None,
 ) -> tuple[MixCall, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One call's backward up to its sources' gradients: the stats and finishing kernels give
     the site's parameter gradients and the coefficients the mix kernel turns into the sources'.
-    `rstds`: per source its 1 / rms per row where known (source_rstd), else None."""
+    `rstds`: per source its 1 / rms per row where known (source_rstd), else None. `grad_like`:
+    the parameters whose dtypes the gradients take (default: these), when these are cast copies."""
     site = Site(null, query, norm_weight, gate)
-    return _stats((grad_out,), sources, (site,), num_heads, eps, rstds, tables)[0]
+    return _stats((grad_out,), sources, (site,), num_heads, eps, rstds, tables, (grad_like,))[0]
 
 
 def stats_pair(
@@ -153,14 +155,16 @@ def stats_pair(
     eps: float,
     rstds: Sequence[torch.Tensor | None] = (),
     tables: LaunchTables = DEFAULT_TABLES,
+    grads_like: Sequence[Sequence[torch.Tensor] | None] = (None, None),
 ) -> list[tuple[MixCall, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """`stats` for two sites over the same sources in one pass (each source read once), per site."""
+    """`stats` for two sites over the same sources in one pass (each source read once), per site;
+    `grads_like`: per site, as `stats`'s `grad_like`."""
     if len(sites) != 2 or len(grad_outs) != 2:
         raise ValueError(f"stats_pair takes two sites and two output gradients, got {len(sites)}, {len(grad_outs)}")
-    return _stats(grad_outs, sources, tuple(sites), num_heads, eps, rstds, tables)
+    return _stats(grad_outs, sources, tuple(sites), num_heads, eps, rstds, tables, grads_like)
 
 
-def _stats(grad_outs, sources, sites, num_heads, eps, rstds, tables) -> list[tuple]:
+def _stats(grad_outs, sources, sites, num_heads, eps, rstds, tables, grads_like) -> list[tuple]:
     check_inputs(grad_outs[0], sources)
     d = grad_outs[0].shape[-1]
     m = grad_outs[0].numel() // d
@@ -190,8 +194,8 @@ def _stats(grad_outs, sources, sites, num_heads, eps, rstds, tables) -> list[tup
     first, last = per_site[0], per_site[-1]  # the second site's arguments are not read with one site
     launch.stats_launcher(grid, warps, consts, first[0], srcs, rstd_ptrs, *first[1:], *last, m, eps, maxnreg=cap)
     results = []
-    for dout, site, work in zip(douts, params, works, strict=True):
-        grads = finish_param_grads(work[coef_size:], parts, *site, num_heads, eps, tables)
+    for dout, site, work, like in zip(douts, params, works, grads_like, strict=True):
+        grads = finish_param_grads(work[coef_size:], parts, *site, num_heads, eps, tables, like)
         results.append((MixCall(dout, work[:coef_size], site.query, site.norm_weight), *grads))
     return results
 
@@ -206,12 +210,14 @@ def finish_param_grads(
     num_heads: int,
     eps: float,
     tables: LaunchTables = DEFAULT_TABLES,
+    grad_like: Sequence[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The finishing kernel: the stats kernel's `parts` per-program partials (fp32, laid out as
     backward.py's _partials says) summed in a fixed order into the gradients of null, query,
-    norm weight and gate."""
+    norm weight and gate, each in the dtype of its parameter, or of its `grad_like` entry."""
     d = null.shape[-1]
-    dz, dq, dg, dgate = (launch.empty_like(t) for t in (null, query, norm_weight, gate))
+    like = grad_like or (null, query, norm_weight, gate)
+    dz, dq, dg, dgate = (launch.empty(t.shape, device=t.device, dtype=t.dtype) for t in like)
     f = tables.finish
     grid, warps, consts = launch.finish_launch(
         d, num_heads, null.element_size(), parts, f["block_c"], f["block_p"], f["warps"]
