@@ -30,8 +30,9 @@ def test_per_block_compile_makes_a_bounded_number_of_graphs_and_matches_eager(ba
     for _ in range(2):  # the second pass must reuse the graphs
         out = compiled(tokens)
         out.float().pow(2).mean().backward()
-    # One graph for every block's body (the routing runs outside it, so the number of sources does
-    # not reach it), one for the block-delta sum; the torch backend's sites one per source count.
+    # Two graphs for the blocks' bodies (the routing runs outside them, so the number of sources does
+    # not reach them): a block's first layer, and the later ones, which take the running block delta;
+    # the torch backend's sites one per source count.
     graphs = 2 + (num_blocks if backend == "torch" else 0)
     assert counters["stats"]["unique_graphs"] == graphs
     with torch.no_grad():  # validation: the same graphs again without grad, none left to eager

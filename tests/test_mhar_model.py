@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import REPO
+from tiny_runs import routed_tiny_model
 from torchtitan.config import Optimizer as OptimizerConfig
 from torchtitan.models.llama3.model.model import Transformer
 
@@ -236,3 +237,29 @@ def test_site_stats_are_per_source_means_of_the_weights_padded_to_the_model_widt
     assert row[5:].isnan().all() and float(row[2:5].sum()) == pytest.approx(1.0, abs=1e-6)
     with pytest.raises(ValueError, match="more than max_sources = 2"):
         model_mod.RoutingSite(16, 4, 1e-5, "torch", max_sources=2).stats(weights)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_each_block_delta_is_the_sum_of_its_sublayer_outputs(dtype):
+    """The sources a layer reads: the embedding, then D_k for each completed block (the last block's
+    never), the running sum of the block's sublayer outputs a + m that its bodies add up: the first
+    layer's a + m, then each later layer's added in fp32 and rounded once. In float64 D_k is
+    h_end - h_start to rounding (in bf16 that difference would cancel)."""
+    model = routed_tiny_model(seq=16, num_blocks=2, backend="torch", device="cpu").to(dtype)
+    inputs, outs = {}, {}
+    for i, layer in enumerate(model.layers.values()):
+        layer.register_forward_pre_hook(
+            lambda m, a, kw, i=i: inputs.__setitem__(i, (a[0], kw["sources"])), with_kwargs=True
+        )
+        layer.register_forward_hook(lambda m, a, out, i=i: outs.__setitem__(i, out[1]))
+        layer.attention.register_forward_hook(lambda m, a, out, i=i: outs.__setitem__(("a", i), out))
+        layer.feed_forward.register_forward_hook(lambda m, a, out, i=i: outs.__setitem__(("m", i), out))
+    with torch.no_grad():
+        model(torch.randint(0, model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)))
+    assert [len(inputs[i][1]) for i in range(4)] == [1, 1, 2, 2]  # the embedding, then D_0 from layer 2 on
+    d0 = inputs[2][1][1]
+    assert d0 is outs[1] and torch.equal(outs[0], outs[("a", 0)] + outs[("m", 0)])
+    wide = torch.promote_types(dtype, torch.float32)
+    assert torch.equal(d0, (outs[0].to(wide) + outs[("a", 1)] + outs[("m", 1)]).to(dtype))
+    if dtype == torch.float64:
+        torch.testing.assert_close(d0, inputs[2][0] - inputs[0][0], rtol=1e-12, atol=1e-12)

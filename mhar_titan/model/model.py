@@ -84,7 +84,10 @@ class BlockBody(nn.Module):
 
         u = x + routed_attn,  h = x + Attn(attention_norm(u)),  v = h + routed_ffn,  out = h + MLP(ffn_norm(v))
 
-    and returning (out, the block's delta a + m). The routed terms depend on the sources alone,
+    and returning (out, the running block delta: a + m, or `block_sum` + a + m summed in fp32 and
+    stored in `block_sum`'s dtype). D_k is the sum of its block's sublayer outputs, never
+    h_end - h_start, which cancels catastrophically in bf16 once the stream is large; summing it
+    here, where a and m are computed, costs no kernel of its own. The routed terms depend on the sources alone,
     so the routing runs before the body, outside what activation checkpointing recomputes and
     torch.compile traces (parallelize.py wraps the body, not the block); the adds fuse into the
     compiled norms. It shares the block's submodules and owns no parameter of its own: the block
@@ -106,11 +109,16 @@ class BlockBody(nn.Module):
         freqs_cis: torch.Tensor,
         attention_masks: AttentionMasksType | None,
         positions: torch.Tensor | None = None,
+        block_sum: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.attention(self.attention_norm(x + routed_attn), freqs_cis, attention_masks, positions)
         h = x + a
         m = self.feed_forward(self.ffn_norm(h + routed_ffn))
-        return h + m, a + m
+        if block_sum is None:
+            delta = a + m
+        else:  # summed in fp32 (or wider), stored as the sum
+            delta = (block_sum.to(torch.promote_types(block_sum.dtype, torch.float32)) + a + m).to(block_sum.dtype)
+        return h + m, delta
 
 
 class MHARBlock(TransformerBlock):
@@ -140,13 +148,15 @@ class MHARBlock(TransformerBlock):
         positions: torch.Tensor | None = None,
         sources: list[torch.Tensor] | None = None,
         want_stats: bool = False,
+        block_sum: torch.Tensor | None = None,
     ):
-        """Plain block without `sources`; else (output, a + m, site statistics [2, 2 + num_blocks + 1] or None)."""
+        """Plain block without `sources`; else (output, the running block delta (`BlockBody`), site
+        statistics [2, 2 + num_blocks + 1] or None)."""
         if sources is None:
             return super().forward(x, freqs_cis, attention_masks, positions)
         assert self.attn_routing is not None and self.ffn_routing is not None
         (routed_attn, attn_weights), (routed_ffn, ffn_weights) = self.route(sources)
-        out, delta = self.body(x, routed_attn, routed_ffn, freqs_cis, attention_masks, positions)
+        out, delta = self.body(x, routed_attn, routed_ffn, freqs_cis, attention_masks, positions, block_sum)
         if not want_stats:
             return out, delta, None
         # here, inside the block's forward, where FSDP has gathered the gates
@@ -168,21 +178,6 @@ class MHARBlock(TransformerBlock):
         for site in (self.attn_routing, self.ffn_routing):
             if site is not None:
                 site.reset_parameters()
-
-
-class BlockDelta(nn.Module):
-    """D_k: the sum of a block's sublayer outputs a + m, in fp32, never h_end - h_start,
-    which cancels catastrophically in bf16 once the stream is large.
-
-    A module of its own so that per-block compile can fuse the sum into one kernel
-    (parallelize.py); it holds no parameters.
-    """
-
-    def forward(self, deltas: list[torch.Tensor]) -> torch.Tensor:
-        acc = deltas[0].float()
-        for delta in deltas[1:]:
-            acc = acc + delta
-        return acc.to(deltas[0].dtype)
 
 
 class MHARTransformer(Transformer):
@@ -207,7 +202,6 @@ class MHARTransformer(Transformer):
         self.layers = nn.ModuleDict({str(i): MHARBlock(i, model_args) for i in range(model_args.n_layers)})
         self.norm = nn.RMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
-        self.block_delta = BlockDelta()
         self.collect_routing_stats = False
         self.routing_stats: torch.Tensor | None = None
 
@@ -230,20 +224,20 @@ class MHARTransformer(Transformer):
         sources = [routing_source(embedding, backend)]
         per_block = self.model_args.layers_per_block
         want_stats = self.collect_routing_stats
-        deltas: list[torch.Tensor] = []
+        block_sum = None
         stats = []
         for i, layer in enumerate(self.layers.values()):
-            h, delta, site_stats = layer(
-                h, self.freqs_cis, attention_masks, positions, sources=sources, want_stats=want_stats
-            )
+            h, block_sum, site_stats = layer(
+                h, self.freqs_cis, attention_masks, positions, sources=sources, want_stats=want_stats,
+                block_sum=block_sum,
+            )  # fmt: skip
             stats.append(site_stats)
             if i >= self.n_layers - per_block:
-                continue  # the last block's delta is never a source
-            deltas.append(delta)
-            if len(deltas) == per_block:
+                block_sum = None  # the last block's delta is never a source
+            elif (i + 1) % per_block == 0:
                 # A new list: the layers that read the old one keep it for their backward.
-                sources = [*sources, routing_source(self.block_delta(deltas), backend)]
-                deltas = []
+                sources = [*sources, routing_source(block_sum, backend)]
+                block_sum = None
         self.routing_stats = torch.stack(stats) if want_stats else None
         h = self.norm(h)
         return self.output(h)

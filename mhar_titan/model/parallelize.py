@@ -9,7 +9,7 @@ checkpoint, as the control keeps each block's input; and the fused kernels run t
 eager path, which sums each source's gradient in place across all the calls that read it,
 reads each source's norm once, and serves a block's calls with one mix pass (kernels/NOTES.md).
 With the `torch` backend (the reference) each site is checkpointed (when AC is on) and compiled
-(when the model is) on its own instead. The sum of each block's deltas is compiled too.
+(when the model is) on its own instead. Each block delta is summed inside the bodies.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobCo
 
 def wrap_blocks(model: nn.Module, job_config: JobConfig, compile_model: bool) -> None:
     """torchtitan's activation checkpointing (any mode) and per-block compile on each block's body,
-    the torch backend's sites wrapped on their own, the block-delta sum compiled."""
+    the torch backend's sites wrapped on their own."""
     ac = job_config.activation_checkpoint
     blocks: dict[str, MHARBlock] = dict(model.layers.items())
     bodies = BodyTree(blocks)
@@ -79,7 +79,6 @@ def wrap_blocks(model: nn.Module, job_config: JobConfig, compile_model: bool) ->
         )
     if compile_model:
         apply_compile(bodies, job_config.compile)
-        model.block_delta = torch.compile(model.block_delta, backend=job_config.compile.backend, fullgraph=True)
     for layer_id, block in blocks.items():
         block.set_body(bodies.layers[layer_id])
     backend = resolve_backend(model.model_args.mhar.backend, torch.device(titan_utils.device_type))

@@ -74,7 +74,8 @@ class MHARRoutingSite(nn.Module):
 
 
 class MHARLlamaDecoderLayer(LlamaDecoderLayer):
-    """Llama's decoder layer whose attention and MLP read the routed inputs; returns (h, a + m)."""
+    """Llama's decoder layer whose attention and MLP read the routed inputs; returns (h, the running
+    block delta: a + m, or block_sum + a + m summed in fp32, in block_sum's dtype)."""
 
     def __init__(self, config: MHARLlamaConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -82,14 +83,23 @@ class MHARLlamaDecoderLayer(LlamaDecoderLayer):
         self.mhar = nn.ModuleDict({"attn": MHARRoutingSite(*site), "ffn": MHARRoutingSite(*site)})
 
     def forward(  # type: ignore[override]
-        self, hidden_states: torch.Tensor, sources: list[torch.Tensor], **kwargs: Any
+        self,
+        hidden_states: torch.Tensor,
+        sources: list[torch.Tensor],
+        block_sum: torch.Tensor | None = None,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         u = self.mhar["attn"](hidden_states, sources)
         a, _ = self.self_attn(hidden_states=self.input_layernorm(u), **kwargs)
         h = hidden_states + a
         v = self.mhar["ffn"](h, sources)
         m = self.mlp(self.post_attention_layernorm(v))
-        return h + m, a + m
+        # D_k sums its block's sublayer outputs (never h_end - h_start, which cancels in bf16)
+        if block_sum is None:
+            delta = a + m
+        else:  # summed in fp32 (or wider), stored as the sum
+            delta = (block_sum.to(torch.promote_types(block_sum.dtype, torch.float32)) + a + m).to(block_sum.dtype)
+        return h + m, delta
 
 
 class MHARLlamaPreTrainedModel(LlamaPreTrainedModel):
@@ -154,11 +164,12 @@ class MHARLlamaModel(MHARLlamaPreTrainedModel, LlamaModel):
         hidden_states = inputs_embeds
         sources = [inputs_embeds]
         per_block = self.config.num_hidden_layers // self.config.mhar["num_blocks"]
-        deltas: list[torch.Tensor] = []
+        block_sum = None
         for i, layer in enumerate(self.layers):
-            hidden_states, delta = layer(
+            hidden_states, block_sum = layer(
                 hidden_states,
                 sources,
+                block_sum,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
@@ -167,20 +178,11 @@ class MHARLlamaModel(MHARLlamaPreTrainedModel, LlamaModel):
                 **kwargs,
             )
             if i >= self.config.num_hidden_layers - per_block:
-                continue  # the last block's delta is never a source
-            deltas.append(delta)
-            if len(deltas) == per_block:
-                sources = [*sources, block_delta(deltas)]
-                deltas = []
+                block_sum = None  # the last block's delta is never a source
+            elif (i + 1) % per_block == 0:
+                sources = [*sources, block_sum]
+                block_sum = None
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_ARG: cache})
-
-
-def block_delta(deltas: list[torch.Tensor]) -> torch.Tensor:
-    """D_k: the block's sublayer outputs summed in fp32 (never h_end - h_start, which cancels in bf16)."""
-    acc = deltas[0].float()
-    for delta in deltas[1:]:
-        acc = acc + delta
-    return acc.to(deltas[0].dtype)
 
 
 class MHARLlamaForCausalLM(MHARLlamaPreTrainedModel, LlamaForCausalLM):
