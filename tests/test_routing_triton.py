@@ -204,7 +204,7 @@ def test_shared_source_gradients_are_summed_in_place_in_fp32(poisoned, monkeypat
     - Against unmarked sources, which autograd sums call by call and whose norms every call
       computes itself: within the fp32 bound the op meets against the torch backend (1e-5 of
       the largest element).
-    - A second run of the largest grouping is bit for bit the first."""
+    - A second run of the largest grouping (without the extra reader) is bit for bit the first."""
     S, H, calls = 4, 8, 6
     bound = 2 * calls * torch.finfo(torch.float32).eps
     leaves = site(H, 40, S, 3, torch.float32)
@@ -215,11 +215,8 @@ def test_shared_source_gradients_are_summed_in_place_in_fp32(poisoned, monkeypat
         for group in (2, 4):
             monkeypatch.setitem(rt.MIX, "calls", group)
             shared = chain(leaves, S, H, calls, "triton", share=True, extra_consumer=extra_consumer)
-            again = (
-                chain(leaves, S, H, calls, "triton", share=True, extra_consumer=extra_consumer)
-                if group == 4
-                else shared
-            )
+            rerun = group == 4 and not extra_consumer  # determinism: one rerun of the largest grouping
+            again = chain(leaves, S, H, calls, "triton", share=True, extra_consumer=extra_consumer) if rerun else shared
             for name, a, b, c, d in zip(["x", *names(S)[3:]], separate, single, shared, again, strict=True):
                 assert not torch.isnan(c).any(), f"{name}: unwritten elements"
                 assert torch.equal(c, d), f"{name}: two runs differ"
