@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.triton.autograd import route_eager, route_op, route_pair_eager
+from kernels.triton.autograd import cast_site, route_eager, route_op, route_pair_eager
 from kernels.triton.launch import MAX_SOURCES as MAX_TRITON_SOURCES
 from kernels.triton.shared import share_source_grad
 
@@ -102,20 +102,11 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
-def _cast_site(params: Sequence[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
-    """`autocast_dtype`'s cast, through autograd (the torch and custom-op backends; the eager
-    triton Functions cast inside, in one kernel, and return the gradients in the parameters' dtype)."""
-    return [p if dtype is None else p.to(dtype) for p in params]
-
-
 def compute_dtype(query: torch.Tensor) -> torch.dtype:
     """The dtype of gate * R without x: autocast's where it is on (one GPU without FSDP, whose
     fp32 parameters would otherwise make every routed term and its gradient fp32), else the site
     parameters' (bf16 under FSDP's mixed precision, whatever the sources')."""
-    device = query.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return query.dtype
+    return autocast_dtype(query.device) or query.dtype
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -159,7 +150,7 @@ def mhar_route_with_weights(
     param_dtype = autocast_dtype(sources[0].device)
     if backend == "triton":
         return route_eager(x, sources, null, query, norm_weight, gate, param_dtype=param_dtype, **kw)
-    site = _cast_site((null, query, norm_weight, gate), param_dtype)
+    site = cast_site((null, query, norm_weight, gate), param_dtype)
     if backend == "triton_op":
         return route_op(x, sources, *site, **kw)
     return route_torch(x, sources, *site, **kw)

@@ -360,7 +360,12 @@ def _route_pair_eager_in_graph(
 
 
 def _route_op_cast(x, sources, site, num_heads: int, eps: float, out_dtype, param_dtype):
-    """`route_op` on the site's parameters cast to `param_dtype` in the graph (the eager
-    Functions' `in_dtype`, differentiated by autograd here)."""
-    site = [p if param_dtype is None else p.to(param_dtype) for p in site]
-    return route_op(x, sources, *site, num_heads=num_heads, eps=eps, out_dtype=out_dtype)
+    """`route_op` on the site's parameters cast to `param_dtype` in the graph."""
+    return route_op(x, sources, *cast_site(site, param_dtype), num_heads=num_heads, eps=eps, out_dtype=out_dtype)
+
+
+def cast_site(params: Sequence[torch.Tensor], dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """The site parameters in `dtype` (None: as they are), cast through autograd: the torch and
+    custom-op paths. The eager Functions cast inside instead (`in_dtype`: one buffer, fp32
+    gradients written by the finishing kernel)."""
+    return [p if dtype is None else p.to(dtype) for p in params]
