@@ -14,13 +14,15 @@ EMA update every 10 steps counts at its real share), memory as the peak. Default
 steps as in configs/marin8b_*.toml, and 8 MHAR blocks: over 16 layers that gives each site 2 to 9
 sources, the same distribution as the marin8b configs' 8 blocks over 32 layers. `--ac` runs the
 arms under each activation-checkpointing mode asked for (full, selective: torchtitan's op-level
-selective AC, none) and prints MHAR/control and control/stock for each mode.
+selective AC, none) and prints MHAR/control and control/stock for each mode. 30 timed steps by
+default, three of them EMA and routing-statistics steps (their real share): with ten, two runs of
+the same code differed by about the margin the ratios are held to (docs/performance.md).
 `--smoke` runs the tiny flavor on CPU for a few steps (plumbing only, no speed figure).
 `--profile` also traces each arm's last step with torchtitan's profiler (the two steps it
 takes are left out of the throughput) and prints GPU time by kernel kind, arm beside arm.
 
     python -m benchmarks.bench_step [--arms stock,control,...] [--ac full,selective,none] [--num-blocks 8]
-                                    [--steps 14] [--warmup 4] [--profile]
+                                    [--steps 34] [--warmup 4] [--profile]
 """
 
 from __future__ import annotations
@@ -149,7 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ac", default="full", help=f"activation-checkpointing modes to run: {', '.join(AC_MODES)}")
     parser.add_argument("--num-blocks", type=int, default=None, help="[mhar] num_blocks (default 8; 2 with --smoke)")
     parser.add_argument("--flavor", default=FLAVOR, help=f"model flavor on a GPU (default {FLAVOR}; marin8b_8l)")
-    parser.add_argument("--steps", type=int, default=14, help="with --warmup 4: ten timed steps, one EMA update")
+    parser.add_argument(
+        "--steps", type=int, default=34, help="with --warmup 4: 30 timed steps, 3 of them EMA and statistics steps"
+    )
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the figures (compile, caches)")
     parser.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun processes, FSDP ranks) per arm")
     parser.add_argument("--out", default="runs/bench-step", help="folder for the arms' runs and logs")
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
             )  # fmt: skip
             for arm in arms
         }
-        print_table(results[mode], arms, f"{mode} AC, steps {args.warmup + 1}..{args.steps}")
+        print_table(results[mode], arms, f"{mode} AC, steps {args.warmup + 1}..{args.steps - 2 * args.profile}")
         if args.profile:
             traces = {arm: sorted((where / arm).glob("profile_traces/*/rank0_trace.json")) for arm in arms}
             missing = [arm for arm, found in traces.items() if not found]
