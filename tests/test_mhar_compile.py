@@ -18,14 +18,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_per_block_compile_makes_a_bounded_number_of_graphs_and_matches_eager(backend):
     num_blocks = 2
-    eager = routed_tiny_model(seq=32, num_blocks=num_blocks, backend=backend, device=DEVICE)
+    eager = routed_tiny_model(seq=16, num_blocks=num_blocks, backend=backend, device=DEVICE)
     compiled = copy.deepcopy(eager)
     tiny = str(REPO / "configs" / "tiny_cpu.toml")
     config = parse_config(["--job.config_file", tiny, "--compile.enable", "--activation_checkpoint.mode", "full"])
 
     torch._dynamo.reset()
     counters.clear()
-    tokens = torch.randint(0, eager.vocab_size, (2, 32), device=DEVICE)
+    tokens = torch.randint(0, eager.vocab_size, (1, 16), device=DEVICE)
     wrap_blocks(compiled, config, compile_model=True)
     for _ in range(2):  # the second pass must reuse the graphs
         out = compiled(tokens)

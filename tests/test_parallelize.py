@@ -23,9 +23,10 @@ AC = {
 
 @pytest.fixture(scope="module")
 def tiny_mhar():
+    """The model, its tokens, and the unwrapped model's output and gradients (every mode's reference)."""
     model = routed_tiny_model(seq=16, num_blocks=2, backend="triton", device=DEVICE)
     tokens = torch.randint(0, model.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    return model, tokens
+    return model, tokens, run(copy.deepcopy(model), tokens)
 
 
 def run(model, tokens):
@@ -38,8 +39,7 @@ def run(model, tokens):
 
 @pytest.mark.parametrize("mode", list(AC))
 def test_routing_runs_once_per_step_under_every_ac_mode_with_the_same_numbers(tiny_mhar, mode, monkeypatch):
-    base, tokens = tiny_mhar
-    plain = run(copy.deepcopy(base), tokens)
+    base, tokens, plain = tiny_mhar
     model = copy.deepcopy(base)
     config = parse_config(["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), *AC[mode]])
     wrap_blocks(model, config, compile_model=False)

@@ -26,7 +26,7 @@ from mhar_titan.hf.run import load_run_checkpoint
 # A short schedule whose LR does not depend on how many steps each job runs.
 SCHEDULE = ("--lr_scheduler.total_steps", "8", "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "4")
 SCHEDULE_EVERY_2 = (*SCHEDULE[:4], "--checkpoint.interval", "2")
-VALIDATE = ("--validation.freq", "2", "--validation.steps", "2", "--ema.beta", "0.8")
+VALIDATE = ("--validation.freq", "2", "--validation.steps", "1", "--ema.beta", "0.8")
 GRAD_NORM_TAG = "grad_norm"
 
 
