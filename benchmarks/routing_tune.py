@@ -26,7 +26,18 @@ from kernels.triton.host import (
 )
 from kernels.triton.launch import DEFAULT_TABLES, LaunchTables
 
-TUNE_KERNELS = ("fwd", "fwd_rstd", "bwd", "stats", "pair", "params", "load", "group", "finish")  # what `--tune` takes
+TUNE_KERNELS = (
+    "fwd",
+    "fwd_rstd",
+    "bwd",
+    "stats",
+    "pair",
+    "pair_load",
+    "params",
+    "load",
+    "group",
+    "finish",
+)  # what `--tune` takes
 
 
 def tune(args, bw: float) -> None:
@@ -114,6 +125,8 @@ def tune(args, bw: float) -> None:
         param_dtypes(args, bw, n, dout, [(z, q, g, gate), (q, g, z, 2 * gate)])
     if "load" in kernels:
         under_load(args, bw, dout, [(z, q, g, gate), (q, g, z, 2 * gate)])
+    if "pair_load" in kernels:
+        tune_pair_loaded(args, bw, dout, [(z, q, g, gate), (q, g, z, 2 * gate)])
     if "group" in kernels:
         # calls per mix pass: the microbatch's triton loop without the wrapper, GPU-bound in its backward
         mb = Microbatch(args.batch, args.seq, d, args.layers, args.blocks)
@@ -201,27 +214,48 @@ def param_dtypes(args, bw: float, n: int, dout: torch.Tensor, params: list[tuple
             print(f"| {kernel} | {n} | {label} | {ms:.3f} | {(n + 2) * unit / (ms * 1e-3) / bw:.0%} |")
 
 
-def under_load(args, bw: float, dout: torch.Tensor, params: list[tuple]) -> None:
-    """A layer's two-site forward and stats passes (default tables), and a copy of as many bytes,
-    timed one launch at a time right after an L2 flush (the GPU otherwise idle, as in the rest of
-    the tune) and right after 20 ms of the MLP's matmuls (as in the step, where the row kernels
-    ran slower than tuned alone: kernels/NOTES.md). Medians of 30 launches; the host enqueues
-    each launch while the GPU is still busy, so launch latency is not timed."""
-    sites = [Site(*(t.to(dout.dtype) for t in p)) for p in params]
-    rows, d = dout.numel() // dout.shape[-1], dout.shape[-1]
-    a = torch.randn(rows, d, device=dout.device, dtype=dout.dtype)
-    w = torch.randn(d, int(3.5 * d), device=dout.device, dtype=dout.dtype)  # the 8B MLP's up projection
-    scratch = torch.empty(256 * 2**20, device=dout.device, dtype=torch.int8)  # beyond L2
-    burst = max(1, round(20e-3 / (2 * a.shape[0] * d * w.shape[1] / 700e12)))  # 20 ms at ~700 TFLOP/s
+class Burst:
+    """Single launches timed right after an L2 flush (the GPU otherwise idle, as in the rest of the
+    tune) or right after 20 ms of the 8B MLP's up-projection matmuls: the step's context, where the
+    GPU runs at its power cap and clocks below the idle tune's (docs/performance.md, 2026-12-03).
+    Medians of `reps` launches; the host enqueues each while the GPU is still busy, so launch
+    latency is not timed."""
 
-    def flushed() -> None:
-        scratch.zero_()
+    def __init__(self, dout: torch.Tensor, reps: int = 30):
+        rows, d = dout.numel() // dout.shape[-1], dout.shape[-1]
+        self.a = torch.randn(rows, d, device=dout.device, dtype=dout.dtype)
+        self.w = torch.randn(d, int(3.5 * d), device=dout.device, dtype=dout.dtype)
+        self.scratch = torch.empty(256 * 2**20, device=dout.device, dtype=torch.int8)  # beyond L2
+        self.count = max(1, round(20e-3 / (2 * rows * d * self.w.shape[1] / 700e12)))  # 20 ms at ~700 TFLOP/s
+        self.reps = reps
+
+    def flushed(self) -> None:
+        self.scratch.zero_()
         torch.cuda._sleep(2_000_000)  # ~1 ms at 2 GHz: the host enqueues the timed launch meanwhile
 
-    def loaded() -> None:
-        for _ in range(burst):
-            torch.mm(a, w)
+    def loaded(self) -> None:
+        for _ in range(self.count):
+            torch.mm(self.a, self.w)
 
+    def median_ms(self, fn, before) -> float:
+        times = []
+        for _ in range(self.reps):
+            before()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+
+def under_load(args, bw: float, dout: torch.Tensor, params: list[tuple]) -> None:
+    """A layer's two-site forward and stats passes (default tables), and a copy of as many bytes,
+    after an L2 flush and after matmuls (`Burst`): inside the step the row kernels ran slower than
+    tuned alone (kernels/NOTES.md)."""
+    sites = [Site(*(t.to(dout.dtype) for t in p)) for p in params]
+    burst = Burst(dout)
     unit = dout.numel() * dout.element_size()
     for n in (1, 4, 8):
         srcs = [torch.randn_like(dout) for _ in range(n)]
@@ -234,18 +268,35 @@ def under_load(args, bw: float, dout: torch.Tensor, params: list[tuple]) -> None
             ("copy, as many bytes", partial(copy_dst.copy_, copy_src)),
         )
         for kernel, fn in cases:
-            for context, before in (("after an L2 flush", flushed), ("after 20 ms of matmuls", loaded)):
-                times = []
-                for _ in range(30):
-                    before()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    fn()
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end))
-                ms = sorted(times)[len(times) // 2]
+            for context, before in (("after an L2 flush", burst.flushed), ("after 20 ms of matmuls", burst.loaded)):
+                ms = burst.median_ms(fn, before)
                 print(f"| {kernel} | {n} | {context} | {ms:.3f} | {(n + 2) * unit / (ms * 1e-3) / bw:.0%} |")
+
+
+def tune_pair_loaded(args, bw: float, dout: torch.Tensor, params: list[tuple]) -> None:
+    """The two-site launch shapes of `--tune pair`, each timed after matmuls (`Burst`), where the
+    step runs them: the tables were chosen at the idle GPU's clocks."""
+    sites = [Site(*p) for p in params]
+    burst = Burst(dout, reps=20)
+    unit = dout.numel() * dout.element_size()
+    for n in PAIR_SOURCES:
+        srcs = [torch.randn_like(dout) for _ in range(n)]
+        rstds = [source_rstd(s, 1e-5) for s in srcs]
+        # and the stats at two programs an SM (128 registers, some spills): fewer cycles stalled
+        stats_shapes = [*PAIR_STATS, (32, 8, 128, True), (64, 8, 128, True)]
+        for kernel, key, shapes in (("fwd", "fwd_pair", PAIR_FWD), ("stats", "stats_pair", stats_shapes)):
+            for rows, warps, maxnreg, prefetch in shapes:
+                shape = {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg, "prefetch": prefetch}
+                tables = DEFAULT_TABLES.replace(**{key: {n: {**shape, "given_rstd": True}}})
+                if key == "fwd_pair":
+                    fn = partial(forward_pair, srcs, sites, args.heads, 1e-5, tables, rstds)
+                else:
+                    fn = partial(stats_pair, [dout, dout], srcs, sites, args.heads, 1e-5, rstds, tables)
+                ms = burst.median_ms(fn, burst.loaded)
+                mark = " (default)" if getattr(DEFAULT_TABLES, key)[n] == getattr(tables, key)[n] else ""
+                label = _label(rows, warps, maxnreg, prefetch) + mark
+                share = (n + 2) * unit / (ms * 1e-3) / bw
+                print(f"| {kernel}, 2 sites, after matmuls | {n} | {label} | {ms:.3f} | {share:.0%} |")
 
 
 def finish(x, z, q, g, gate, num_heads: int) -> None:
