@@ -152,7 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-blocks", type=int, default=None, help="[mhar] num_blocks (default 8; 2 with --smoke)")
     parser.add_argument("--flavor", default=FLAVOR, help=f"model flavor on a GPU (default {FLAVOR}; marin8b_8l)")
     parser.add_argument(
-        "--steps", type=int, default=34, help="with --warmup 4: 30 timed steps, 3 of them EMA and statistics steps"
+        "--steps",
+        type=int,
+        default=None,
+        help="default 34 (with --warmup 4: 30 timed steps, 3 of them EMA and statistics steps); 14 with --smoke",
     )
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the figures (compile, caches)")
     parser.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun processes, FSDP ranks) per arm")
@@ -169,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--ac {args.ac}: choose from {', '.join(AC_MODES)}")
     if args.profile and args.smoke:
         parser.error("--profile needs a GPU (torchtitan 0.2.2's profiler asks for CUDA activity)")
+    if args.steps is None:
+        args.steps = 14 if args.smoke else 34
     if args.warmup >= args.steps - (2 if args.profile else 0):
         parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
     out = Path(args.out).resolve()
