@@ -63,7 +63,7 @@ def test_triton_backend_trains_under_fsdp_and_checkpointing_like_torch(tmp_path)
         run = tmp_path / backend
         # the interpreter's cost grows with the rows routed: one 16-token sequence per rank
         short = ("--training.steps", "3", "--training.seq_len", "16", "--training.local_batch_size", "1")
-        short += ("--mhar.stats_freq", "3", "--validation.no-enable")  # validation's 256 tokens > seq_len 32
+        short += ("--mhar.stats_freq", "3", "--validation.no-enable")  # validation's 256 tokens > seq_len 16
         torchrun(run, *short, "--mhar.backend", backend, config="configs/tiny_cpu_mhar.toml")
         losses[backend] = read_scalars(run)
         assert read_scalars(run, routing_mean_tag("gate"))[3] != 0
