@@ -2,14 +2,18 @@
 
 Compiles each kernel at the 8B launch shapes with Triton's own compiler and runs the
 `ptxas` that Triton ships on the result. Registers decide how many rows an SM keeps in
-flight, which is what bounds these memory-bound kernels.
+flight, which is what bounds these memory-bound kernels. `--sass` also counts the row kernels'
+machine instructions by opcode (Triton's `cuobjdump` on the cubin, at the tables' launch shapes):
+in the training step the GPU runs at its power cap and these kernels slow with its clock, so
+the instructions a row costs are what a change has to cut (kernels/NOTES.md).
 
-    python -m benchmarks.compile_report [--sources 8] [--dtype bf16]
+    python -m benchmarks.compile_report [--sources 8] [--dtype bf16] [--sass]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import subprocess
@@ -23,7 +27,8 @@ from kernels.triton.backward import route_bwd_mix_kernel, route_bwd_stats_kernel
 from kernels.triton.forward import route_fwd_kernel
 from kernels.triton.launch import DEFAULT_TABLES, MAX_SOURCES, mix_launch, row_launch
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+PTXAS = os.path.join(BIN, "ptxas")
 
 
 def compile_sm90(fn, types: dict[str, object], consts: dict[str, object], num_warps: int, maxnreg: int | None = None):
@@ -58,12 +63,25 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
     return {"registers": int(regs.group(1)), "spill_bytes": int(spills.group(1)) if spills else 0}
 
 
+def sass_opcodes(cubin: bytes) -> collections.Counter:
+    """Static instruction counts by opcode (predicates and modifiers dropped) of a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    found = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass.stdout, re.M)
+    return collections.Counter(found)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sources", type=int, default=8, help="caller sources (N - 1)")
     parser.add_argument("--dim", type=int, default=4096, help="model width d")
     parser.add_argument("--heads", type=int, default=8, help="routing heads H")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the sources' dtype")
+    parser.add_argument("--sass", action="store_true", help="also count the row kernels' instructions by opcode")
     args = parser.parse_args()
     if not 1 <= args.sources <= MAX_SOURCES:
         parser.error(f"--sources {args.sources}: the kernels take 1 to {MAX_SOURCES} caller sources")
@@ -87,6 +105,7 @@ def main() -> None:
         ("fwd, 2 sites", route_fwd_kernel, DEFAULT_TABLES.fwd_pair[n], 2),
         ("stats, 2 sites", route_bwd_stats_kernel, DEFAULT_TABLES.stats_pair[n], 2),
     ]
+    opcodes = {}
     for name, fn, launch, sites in [k for k in kernels if k[2] is not None]:
         # as the model's eager path launches them: marked sources, their rstd given where the table says;
         # the forward without x (the model adds it in its compiled block)
@@ -98,14 +117,23 @@ def main() -> None:
             )
             # the forward's register cap applies to its own launch shape only
             cap = launch.get("maxnreg") if warps_per_4096 == launch["warps_per_4096"] else None
-            use = ptxas_usage(compile_sm90(fn, types, consts, warps, cap).asm["ptx"])
+            compiled = compile_sm90(fn, types, consts, warps, cap)
+            use = ptxas_usage(compiled.asm["ptx"])
             shape = f"rows {launch['rows']}" + (f", registers <= {cap}" if cap else "")
             print(f"| {name} | {shape} | {warps} | {use['registers']} | {use['spill_bytes']} |")
+            if args.sass and warps_per_4096 == launch["warps_per_4096"]:
+                opcodes[f"{name}, {shape}"] = sass_opcodes(compiled.asm["cubin"])
     shared = (1 << n) - 1  # every source shared, the rest of the sum accumulated: the eager path
     for block_m, block_kc, warps in [(32, 64, 4), (32, 128, 4), (64, 64, 4), (32, 128, 8)]:
         _, consts = mix_launch(m, d, h, n, calls, block_m, block_kc, shared, shared)
         use = ptxas_usage(compile_sm90(route_bwd_mix_kernel, types, consts, warps).asm["ptx"])
         print(f"| mix | {block_m}x{block_kc}, {calls} calls | {warps} | {use['registers']} | {use['spill_bytes']} |")
+    if opcodes:  # static counts: the row loop's body once (sources unrolled), the set-up and the stores
+        print("\n| kernel, launch | SASS instructions | most frequent opcodes |")
+        print("|---|---|---|")
+        for kernel, counts in opcodes.items():
+            top = ", ".join(f"{op} {k}" for op, k in counts.most_common(10))
+            print(f"| {kernel} | {sum(counts.values())} | {top} |")
 
 
 if __name__ == "__main__":

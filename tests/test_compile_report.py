@@ -12,12 +12,18 @@ REPO = Path(__file__).resolve().parents[1]
 def test_every_kernel_compiles_for_sm90_and_ptxas_reports_registers():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.compile_report", "--sources", "2"],
+        [sys.executable, "-m", "benchmarks.compile_report", "--sources", "2", "--sass"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=True,
     ).stdout  # fmt: skip
     rows = re.findall(r"^\| (fwd|stats|mix) \| [^|]+ \| (\d+) \| (\d+) \| (\d+) \|$", out, re.M)
     assert {r[0] for r in rows} == {"fwd", "stats", "mix"} and len(rows) == 10, out
     assert all(0 < int(regs) <= 255 for _, _, regs, _ in rows), out
+    # --sass: each row kernel at its table's shape, counted by opcode (every one multiplies and adds)
+    sass = re.findall(r"^\| ((?:fwd|stats)[^|]*) \| (\d+) \| ([^|]+) \|$", out, re.M)
+    assert [s[0].split(",")[0] for s in sass] == ["fwd", "stats", "fwd", "stats"], out
+    for _, total, top in sass:
+        counts = dict(item.rsplit(" ", 1) for item in top.split(", "))
+        assert int(counts["FFMA"]) > 0 and sum(map(int, counts.values())) <= int(total), top
 
 
 def test_a_source_count_the_kernels_do_not_take_is_refused_by_name():
