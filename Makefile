@@ -48,8 +48,9 @@ bench-kernels:
 	$(if $(wildcard $(PY)),$(PY),python3) -m benchmarks.bench_routing
 
 # GPU only: the training step of stock torchtitan, our control, MHAR (triton) and MHAR (compiled
-# routing) at the 8B width with 16 layers and 8 MHAR blocks, side by side; `--ac full,selective,none`
-# for other activation-checkpointing modes (python -m benchmarks.bench_step --smoke: CPU plumbing).
+# routing) at the 8B width with 16 layers and 8 MHAR blocks, side by side over 30 timed steps;
+# `--ac full,selective,none` for other activation-checkpointing modes (python -m benchmarks.bench_step
+# --smoke: CPU plumbing).
 bench-step:
 	$(if $(wildcard $(PY)),$(PY),python3) -m benchmarks.bench_step
 
