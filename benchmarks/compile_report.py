@@ -49,15 +49,18 @@ def compile_sm90(fn, types: dict[str, object], consts: dict[str, object], num_wa
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def ptxas_usage(ptx: str) -> dict[str, int]:
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
+def _run_on_file(data: str | bytes, suffix: str, *command: str) -> subprocess.CompletedProcess:
+    """`command` with the path of a temporary file holding `data` appended; fails if it fails."""
+    with tempfile.NamedTemporaryFile("wb" if isinstance(data, bytes) else "w", suffix=suffix, delete=False) as f:
+        f.write(data)
     try:
-        log = subprocess.run(
-            [PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True, check=True
-        ).stderr
+        return subprocess.run([*command, f.name], capture_output=True, text=True, check=True)
     finally:
         os.unlink(f.name)
+
+
+def ptxas_usage(ptx: str) -> dict[str, int]:
+    log = _run_on_file(ptx, ".ptx", PTXAS, "-arch=sm_90a", "-v", "-o", os.devnull).stderr
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores", log)
     return {"registers": int(regs.group(1)), "spill_bytes": int(spills.group(1)) if spills else 0}
@@ -65,13 +68,10 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
 
 def sass_opcodes(cubin: bytes) -> collections.Counter:
     """Static instruction counts by opcode (predicates and modifiers dropped) of a cubin."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True)
-    finally:
-        os.unlink(f.name)
-    found = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass.stdout, re.M)
+    sass = _run_on_file(cubin, ".cubin", os.path.join(BIN, "cuobjdump"), "-sass").stdout
+    found = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M)
+    if not found:  # an empty count would print as a kernel of no instructions
+        raise RuntimeError(f"cuobjdump -sass listed no instruction:\n{sass[:2000]}")
     return collections.Counter(found)
 
 

@@ -254,7 +254,7 @@ def under_load(args, bw: float, dout: torch.Tensor, params: list[tuple]) -> None
     """A layer's two-site forward and stats passes (default tables), and a copy of as many bytes,
     after an L2 flush and after matmuls (`Burst`): inside the step the row kernels ran slower than
     tuned alone (kernels/NOTES.md)."""
-    sites = [Site(*(t.to(dout.dtype) for t in p)) for p in params]
+    sites = [Site(*p) for p in params]
     burst = Burst(dout)
     unit = dout.numel() * dout.element_size()
     for n in (1, 4, 8):
