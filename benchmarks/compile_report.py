@@ -91,9 +91,9 @@ def main() -> None:
     calls = DEFAULT_TABLES.mix["calls"]
     types = {
         "X": p, "SRCS": (p,) * n, "DSRCS": (p,) * n, "NULL": p, "Q": p, "G": p, "GATE": p, "OUT": p,
-        "DOUT": p, "W": f32, "COEF": f32, "PARTS": f32, "M": "i32", "eps": "fp32", "DOUTS": (p,) * calls,
+        "DOUT": p, "LG": f32, "COEF": f32, "PARTS": f32, "M": "i32", "eps": "fp32", "DOUTS": (p,) * calls,
         "COEFS": (f32,) * calls, "QS": (p,) * calls, "GS": (p,) * calls, "CSUMS": (f32,) * n, "RSTDS": (f32,) * n,
-        "NULL2": p, "Q2": p, "G2": p, "GATE2": p, "OUT2": p, "W2": f32, "DOUT2": p, "COEF2": f32, "PARTS2": f32,
+        "NULL2": p, "Q2": p, "G2": p, "GATE2": p, "OUT2": p, "LG2": f32, "DOUT2": p, "COEF2": f32, "PARTS2": f32,
     }  # fmt: skip
     # the layout Triton picks for the row tiles (and so registers and barriers) changes between versions
     print(f"sm_90, triton {triton.__version__}, d={d}, H={h}, {n} sources, {args.dtype}")

@@ -63,7 +63,8 @@ def tune(args, bw: float) -> None:
         print(f"| fwd | {len(srcs)} | {label} | {ms:.3f} | {(len(srcs) + 1) * unit / (ms * 1e-3) / bw:.0%} |")
 
     def bwd(srcs: list[torch.Tensor], tables: LaunchTables, label: str) -> None:
-        ms = do_bench(lambda: backward(dout, srcs, z, q, g, gate, args.heads, 1e-5, tables), warmup=10, rep=50)
+        lg = forward(None, srcs, z, q, g, gate, args.heads, 1e-5)[1]  # what the backward reads
+        ms = do_bench(lambda: backward(dout, lg, srcs, z, q, g, gate, args.heads, 1e-5, tables), warmup=10, rep=50)
         nbytes = (2 + 3 * len(srcs)) * unit  # dout twice, each source twice, each gradient once
         print(f"| bwd | {len(srcs)} | {label} | {ms:.3f} | {nbytes / (ms * 1e-3) / bw:.0%} |")
 
@@ -104,12 +105,13 @@ def tune(args, bw: float) -> None:
         # the stats and finishing kernels alone (what a call's backward runs before its mix)
         srcs = [torch.randn_like(x) for _ in range(n)]
         rstds = [source_rstd(s, 1e-5) for s in srcs]  # as for sources marked with routing_source
+        lg = forward(None, srcs, z, q, g, gate, args.heads, 1e-5, DEFAULT_TABLES, rstds)[1]
         for given, maxnreg, warps in itertools.product((False, True), (None, 168), (8, 16)):
             shape = {"maxnreg": maxnreg, "given_rstd": given, "warps_per_4096": warps}
             tables = DEFAULT_TABLES.replace(stats={n: shape})
             ms = do_bench(
-                lambda srcs=srcs, rstds=rstds, tables=tables: stats(
-                    dout, srcs, z, q, g, gate, args.heads, 1e-5, rstds, tables
+                lambda srcs=srcs, rstds=rstds, tables=tables, lg=lg: stats(
+                    dout, lg, srcs, z, q, g, gate, args.heads, 1e-5, rstds, tables
                 ),
                 warmup=10,
                 rep=50,
@@ -146,6 +148,11 @@ PAIR_FWD = [  # (rows, warps per 4096, register cap, prefetch)
 PAIR_STATS = [(32, 8, None, False), (64, 8, None, False), (32, 8, None, True), (64, 8, None, True)]
 
 
+def pair_logits(srcs: list[torch.Tensor], sites: list[Site], heads: int, rstds: list) -> list[torch.Tensor]:
+    """Each site's routing logits, as its forward wrote them: what the stats kernel reads."""
+    return [lg for _, lg in forward_pair(srcs, sites, heads, 1e-5, DEFAULT_TABLES, rstds)]
+
+
 def _label(rows: int, warps: int, maxnreg: int | None, prefetch: bool) -> str:
     return f"rows {rows}, {warps} warps, registers <= {maxnreg or 'any'}" + (", prefetch" if prefetch else "")
 
@@ -157,6 +164,7 @@ def tune_pair(args, bw: float, n: int, dout: torch.Tensor, params: list[tuple]) 
     sites = [Site(*p) for p in params]
     srcs = [torch.randn_like(dout) for _ in range(n)]
     rstds = [source_rstd(s, 1e-5) for s in srcs]
+    lgs = pair_logits(srcs, sites, args.heads, rstds)
     unit = dout.numel() * dout.element_size()
 
     def row(kernel: str, label: str, ms: float, nbytes: int) -> None:
@@ -177,8 +185,8 @@ def tune_pair(args, bw: float, n: int, dout: torch.Tensor, params: list[tuple]) 
         tables = DEFAULT_TABLES.replace(stats={n: {"prefetch": prefetch}})
 
         def stats_single(t=tables) -> None:
-            for s in sites:
-                stats(dout, srcs, *s, args.heads, 1e-5, rstds, t)
+            for s, lg in zip(sites, lgs, strict=True):
+                stats(dout, lg, srcs, *s, args.heads, 1e-5, rstds, t)
 
         shape = tables.stats[n]
         label = "two single-site calls, " + _label(shape["rows"], 8, shape["maxnreg"], prefetch)
@@ -187,7 +195,7 @@ def tune_pair(args, bw: float, n: int, dout: torch.Tensor, params: list[tuple]) 
         shape = {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg, "given_rstd": True, "prefetch": prefetch}
         tables = DEFAULT_TABLES.replace(stats_pair={n: shape})
         ms = do_bench(
-            lambda t=tables: stats_pair([dout, dout], srcs, sites, args.heads, 1e-5, rstds, t), warmup=10, rep=50
+            lambda t=tables: stats_pair([dout, dout], lgs, srcs, sites, args.heads, 1e-5, rstds, t), warmup=10, rep=50
         )
         row("stats, 2 sites", _label(rows, warps, maxnreg, prefetch), ms, (n + 2) * unit)
 
@@ -201,13 +209,14 @@ def param_dtypes(args, bw: float, n: int, dout: torch.Tensor, params: list[tuple
     unit = dout.numel() * dout.element_size()
     for dtype in (torch.bfloat16, torch.float32):
         sites = [Site(*(t.to(dtype) for t in p)) for p in params]
+        lgs = pair_logits(srcs, sites, args.heads, rstds)
         label = f"default shape, {str(dtype).removeprefix('torch.')} parameters"
 
         def fwd(s=sites) -> None:
             forward_pair(srcs, s, args.heads, 1e-5, DEFAULT_TABLES, rstds, dout.dtype)
 
-        def bwd_stats(s=sites) -> None:
-            stats_pair([dout, dout], srcs, s, args.heads, 1e-5, rstds, DEFAULT_TABLES)
+        def bwd_stats(s=sites, lgs=lgs) -> None:
+            stats_pair([dout, dout], lgs, srcs, s, args.heads, 1e-5, rstds, DEFAULT_TABLES)
 
         for kernel, fn in (("fwd, 2 sites", fwd), ("stats, 2 sites", bwd_stats)):
             ms = do_bench(fn, warmup=10, rep=50)
@@ -262,9 +271,11 @@ def under_load(args, bw: float, dout: torch.Tensor, params: list[tuple]) -> None
         rstds = [source_rstd(s, 1e-5) for s in srcs]
         copy_src = torch.empty((n + 2) * dout.numel() // 2, device=dout.device, dtype=dout.dtype)
         copy_dst = torch.empty_like(copy_src)
+        lgs = pair_logits(srcs, sites, args.heads, rstds)
+        stats_fn = partial(stats_pair, [dout, dout], lgs, srcs, sites, args.heads, 1e-5, rstds, DEFAULT_TABLES)
         cases = (
             ("fwd, 2 sites", partial(forward_pair, srcs, sites, args.heads, 1e-5, DEFAULT_TABLES, rstds, dout.dtype)),
-            ("stats, 2 sites", partial(stats_pair, [dout, dout], srcs, sites, args.heads, 1e-5, rstds, DEFAULT_TABLES)),
+            ("stats, 2 sites", stats_fn),
             ("copy, as many bytes", partial(copy_dst.copy_, copy_src)),
         )
         for kernel, fn in cases:
@@ -282,6 +293,7 @@ def tune_pair_loaded(args, bw: float, dout: torch.Tensor, params: list[tuple]) -
     for n in PAIR_SOURCES:
         srcs = [torch.randn_like(dout) for _ in range(n)]
         rstds = [source_rstd(s, 1e-5) for s in srcs]
+        lgs = pair_logits(srcs, sites, args.heads, rstds)
         # and the stats at two programs an SM (128 registers, some spills): fewer cycles stalled
         stats_shapes = [*PAIR_STATS, (32, 8, 128, True), (64, 8, 128, True)]
         for kernel, key, shapes in (("fwd", "fwd_pair", PAIR_FWD), ("stats", "stats_pair", stats_shapes)):
@@ -291,7 +303,7 @@ def tune_pair_loaded(args, bw: float, dout: torch.Tensor, params: list[tuple]) -
                 if key == "fwd_pair":
                     fn = partial(forward_pair, srcs, sites, args.heads, 1e-5, tables, rstds)
                 else:
-                    fn = partial(stats_pair, [dout, dout], srcs, sites, args.heads, 1e-5, rstds, tables)
+                    fn = partial(stats_pair, [dout, dout], lgs, srcs, sites, args.heads, 1e-5, rstds, tables)
                 ms = burst.median_ms(fn, burst.loaded)
                 mark = " (default)" if getattr(DEFAULT_TABLES, key)[n] == getattr(tables, key)[n] else ""
                 label = _label(rows, warps, maxnreg, prefetch) + mark

@@ -37,6 +37,7 @@ __all__ = [
     "compute_dtype",
     "mhar_route",
     "mhar_route_pair",
+    "mhar_route_with_logits",
     "mhar_route_with_weights",
     "resolve_backend",
     "route_torch",
@@ -70,8 +71,9 @@ def route_torch(
     eps: float,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference routing: returns (x + gate * R, or gate * R when x is None; routing weights
-    [N, *shape[:-1], H]). Its parameters as given (`mhar_route` casts them under autocast).
+    """Reference routing: returns (x + gate * R, or gate * R when x is None; routing logits
+    [N, *shape[:-1], H], whose softmax over N is the routing weights). Its parameters as given
+    (`mhar_route` casts them under autocast).
 
     Statistics and accumulation run in fp32 (fp64 for fp64 inputs); the output has x's dtype,
     or without x `out_dtype` (`compute_dtype`: the autocast dtype, else the site parameters').
@@ -91,8 +93,8 @@ def route_torch(
     mixed = (weights.unsqueeze(-1) * s.view(heads)).sum(dim=0).reshape(ref.shape)
     out = gate.to(acc).reshape(()) * mixed
     if x is None:
-        return out.to(out_dtype or query.dtype), weights
-    return (x.to(acc) + out).to(x.dtype), weights
+        return out.to(out_dtype or query.dtype), logits
+    return (x.to(acc) + out).to(x.dtype), logits
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -131,6 +133,33 @@ def routing_source(source: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     return source
 
 
+def mhar_route_with_logits(
+    x: torch.Tensor | None,
+    sources: Sequence[torch.Tensor],
+    null: torch.Tensor,
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate: torch.Tensor,
+    *,
+    num_heads: int,
+    eps: float,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mhar_route` that also returns the routing logits [N, B, T, H] (fp32, or fp64 for fp64
+    inputs with the torch backend; source 0 the null): the fused backward reads them, and their
+    softmax over N is the routing weights (`mhar_route_with_weights`)."""
+    _check(x, sources, query, num_heads)
+    backend = resolve_backend(backend, sources[0].device)
+    kw = {"num_heads": num_heads, "eps": eps, "out_dtype": None if x is not None else compute_dtype(query)}
+    param_dtype = autocast_dtype(sources[0].device)
+    if backend == "triton":
+        return route_eager(x, sources, null, query, norm_weight, gate, param_dtype=param_dtype, **kw)
+    site = cast_site((null, query, norm_weight, gate), param_dtype)
+    if backend == "triton_op":
+        return route_op(x, sources, *site, **kw)
+    return route_torch(x, sources, *site, **kw)
+
+
 def mhar_route_with_weights(
     x: torch.Tensor | None,
     sources: Sequence[torch.Tensor],
@@ -144,16 +173,10 @@ def mhar_route_with_weights(
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`mhar_route` that also returns the routing weights [N, B, T, H] (fp32) for statistics."""
-    _check(x, sources, query, num_heads)
-    backend = resolve_backend(backend, sources[0].device)
-    kw = {"num_heads": num_heads, "eps": eps, "out_dtype": None if x is not None else compute_dtype(query)}
-    param_dtype = autocast_dtype(sources[0].device)
-    if backend == "triton":
-        return route_eager(x, sources, null, query, norm_weight, gate, param_dtype=param_dtype, **kw)
-    site = cast_site((null, query, norm_weight, gate), param_dtype)
-    if backend == "triton_op":
-        return route_op(x, sources, *site, **kw)
-    return route_torch(x, sources, *site, **kw)
+    out, logits = mhar_route_with_logits(
+        x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps, backend=backend
+    )
+    return out, torch.softmax(logits, dim=0)
 
 
 def mhar_route(
@@ -176,7 +199,7 @@ def mhar_route(
     gate: one element (0-dim, or [1] as FSDP2 stores it, since it cannot shard
     0-dim parameters). Under autocast the parameters are read in its dtype (`autocast_dtype`).
     """
-    out, _ = mhar_route_with_weights(
+    out, _ = mhar_route_with_logits(
         x, sources, null, query, norm_weight, gate, num_heads=num_heads, eps=eps, backend=backend
     )
     return out
@@ -191,7 +214,7 @@ def mhar_route_pair(
     backend: str = "auto",
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """gate * R(sources) for two sites over the same sources (a layer's attention and MLP inputs),
-    with each site's routing weights [N, B, T, H]: `mhar_route_with_weights(None, ...)` per site,
+    with each site's routing logits [N, B, T, H]: `mhar_route_with_logits(None, ...)` per site,
     computed together. Each site is (null, query, norm_weight, gate). With the triton backend one
     forward pass and one backward stats pass read each source once for both sites."""
     if len(sites) != 2 or any(len(site) != 4 for site in sites):
@@ -206,5 +229,5 @@ def mhar_route_pair(
             sources, site_a, site_b, num_heads=num_heads, eps=eps, out_dtype=out_dtype, param_dtype=param_dtype
         )
     return [
-        mhar_route_with_weights(None, sources, *site, num_heads=num_heads, eps=eps, backend=backend) for site in sites
+        mhar_route_with_logits(None, sources, *site, num_heads=num_heads, eps=eps, backend=backend) for site in sites
     ]

@@ -69,6 +69,7 @@ class Geometry:
     ranks: int  # FSDP shard degree
     mhar: bool
     num_blocks: int
+    routing_heads: int
     ema: bool
 
     @property
@@ -100,6 +101,7 @@ def geometry(cfg: JobConfig, gpus: int, mhar: bool) -> Geometry:
         ranks=max(1, gpus // max(1, cfg.parallelism.data_parallel_replicate_degree)),
         mhar=mhar,
         num_blocks=cfg.mhar.num_blocks,
+        routing_heads=cfg.mhar.num_heads,
         ema=cfg.ema.enable,
     )
 
@@ -159,6 +161,11 @@ def estimate(g: Geometry, mode: str) -> dict[str, Any]:
             kept["routing"] = deltas + g.layers * n * d * 2 + n * d * stream + extra
         else:  # the checkpoint keeps each site's routed term: 2 per layer
             kept["routing"] = deltas + g.layers * 2 * n * d * routed
+        # the fused backward reads each site's routing logits, fp32 [sources, tokens, heads], kept
+        # from its forward; block b's sites read b + 2 sources (the null's included)
+        per_block = g.layers // g.num_blocks
+        sources = sum(b + 2 for b in range(g.num_blocks))
+        kept["routing"] += 2 * per_block * sources * n * g.routing_heads * 4
     gathered = 2 * 2 * g.layer_params if g.fsdp else 0  # current and prefetched block, bf16
     start = {"state": state, "fixed": fixed, **kept, "logit grads": 2 * n * g.vocab, "gathered": gathered}
     end = {

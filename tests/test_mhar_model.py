@@ -100,14 +100,14 @@ def test_each_site_routes_over_designs_source_list(monkeypatch, num_blocks):
                 p.copy_(torch.randn_like(p) * (0.1 if name.endswith(".gate") else 1.0))
 
     calls, inputs, outputs = [], [], []
-    real = model_mod.mhar_route_with_weights
+    real = model_mod.mhar_route_with_logits
 
     def spy(x, sources, *a, **k):
-        routed, weights = real(x, sources, *a, **k)
+        routed, logits = real(x, sources, *a, **k)
         calls.append((x, list(sources), routed.detach().double()))
-        return routed, weights
+        return routed, logits
 
-    monkeypatch.setattr(model_mod, "mhar_route_with_weights", spy)
+    monkeypatch.setattr(model_mod, "mhar_route_with_logits", spy)
     for layer in model.layers.values():
         for norm, sub in ((layer.attention_norm, layer.attention), (layer.ffn_norm, layer.feed_forward)):
             norm.register_forward_pre_hook(lambda mod, args: inputs.append(args[0].detach().double()))
@@ -227,8 +227,9 @@ def test_site_stats_are_per_source_means_of_the_weights_padded_to_the_model_widt
     site.reset_parameters()
     with torch.no_grad():
         site.gate.fill_(0.25)
-    weights = torch.softmax(3 * torch.randn(3, 2, 7, 4, dtype=torch.float64), dim=0)  # [N, B, T, H]
-    row = site.stats(weights)
+    logits = 3 * torch.randn(3, 2, 7, 4, dtype=torch.float64)  # [N, B, T, H], what the op returns
+    weights = torch.softmax(logits, dim=0)
+    row = site.stats(logits)
     assert row.shape == (2 + 5,) and row.dtype == torch.float32
     assert row[0] == 0.25
     expected_entropy = -(weights * weights.log()).sum(0).mean()
@@ -236,7 +237,7 @@ def test_site_stats_are_per_source_means_of_the_weights_padded_to_the_model_widt
     torch.testing.assert_close(row[2:5].double(), weights.mean(dim=(1, 2, 3)), rtol=1e-6, atol=0)
     assert row[5:].isnan().all() and float(row[2:5].sum()) == pytest.approx(1.0, abs=1e-6)
     with pytest.raises(ValueError, match="more than max_sources = 2"):
-        model_mod.RoutingSite(16, 4, 1e-5, "torch", max_sources=2).stats(weights)
+        model_mod.RoutingSite(16, 4, 1e-5, "torch", max_sources=2).stats(logits)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])

@@ -7,7 +7,7 @@ from test_routing_triton import PARAMS, SHAPES, condition_scales, scale_of, site
 from torch._dynamo.utils import counters
 
 import kernels.triton.launch as rt
-from kernels.routing import mhar_route_pair, mhar_route_with_weights, routing_source
+from kernels.routing import mhar_route_pair, mhar_route_with_logits, routing_source
 from kernels.triton.autograd import route_pair_eager
 
 EPS = 1e-5
@@ -25,26 +25,26 @@ def split(leaves, S):
 
 
 def routed_pair(backend, leaves, S, H, grad_outs, mark=False):
-    """[out_a, out_b, weights_a, weights_b, *gradients of the leaves]."""
+    """[out_a, out_b, logits_a, logits_b, *gradients of the leaves]."""
     sources, sites = split(leaves, S)
     srcs = [routing_source(s, backend) for s in sources] if mark else sources
-    (out_a, w_a), (out_b, w_b) = mhar_route_pair(srcs, sites, num_heads=H, eps=EPS, backend=backend)
+    (out_a, lg_a), (out_b, lg_b) = mhar_route_pair(srcs, sites, num_heads=H, eps=EPS, backend=backend)
     grads = torch.autograd.grad([out_a, out_b], leaves, grad_outs)
-    return [out_a, out_b, w_a, w_b, *grads]
+    return [out_a, out_b, lg_a, lg_b, *grads]
 
 
 def routed_one_by_one(leaves, S, H, grad_outs, mark=False):
     """The same, with one triton call per site."""
     sources, sites = split(leaves, S)
     srcs = [routing_source(s, "triton") for s in sources] if mark else sources
-    outs = [mhar_route_with_weights(None, srcs, *p, num_heads=H, eps=EPS, backend="triton") for p in sites]
+    outs = [mhar_route_with_logits(None, srcs, *p, num_heads=H, eps=EPS, backend="triton") for p in sites]
     grads = torch.autograd.grad([o for o, _ in outs], leaves, grad_outs)
     return [outs[0][0], outs[1][0], outs[0][1], outs[1][1], *grads]
 
 
 def names(S):
     sites = [f"{p}_{s}" for s in "ab" for p in PARAMS]
-    return ["out_a", "out_b", "weights_a", "weights_b"] + [f"source{i}" for i in range(S)] + sites
+    return ["out_a", "out_b", "logits_a", "logits_b"] + [f"source{i}" for i in range(S)] + sites
 
 
 def scales_of(leaves, S, H, grad_outs):
@@ -82,7 +82,7 @@ def test_fp32_matches_torch_backend_and_is_deterministic(H, d, S, T, mark, poiso
     "H,d,S,T,dtype,two_site_stats", [(*SHAPES[3], torch.float32, False), (*SHAPES[4], torch.bfloat16, True)]
 )
 def test_equals_one_call_per_site_bit_for_bit(H, d, S, T, dtype, two_site_stats, poisoned, monkeypatch):
-    """Each site's outputs, weights and parameter gradients are those of its own call: the pair
+    """Each site's outputs, logits and parameter gradients are those of its own call: the pair
     runs the same arithmetic in the same order, one load of each source serving both. So are the
     marked sources' gradients, which both ways sum in one mix pass per layer. The backward takes
     one two-site stats pass or, where its table says None, two single-site ones: both checked."""
@@ -140,7 +140,7 @@ def test_one_site_unused_gets_no_gradient_and_the_other_its_own(poisoned):
     grad_out = torch.randn_like(sources[0])
     (out_a, _), (out_b, _) = mhar_route_pair(sources, sites, num_heads=H, eps=EPS, backend="triton")
     got = torch.autograd.grad(out_b, leaves, grad_out, allow_unused=True)
-    out, _ = mhar_route_with_weights(None, sources, *sites[1], num_heads=H, eps=EPS, backend="triton")
+    out, _ = mhar_route_with_logits(None, sources, *sites[1], num_heads=H, eps=EPS, backend="triton")
     want = torch.autograd.grad(out, [*sources, *sites[1]], grad_out)
     assert all(g is None for g in got[S : S + 4])
     for name, a, b in zip(["s0", "s1", "s2", *PARAMS], [*got[:S], *got[S + 4 :]], want, strict=True):
@@ -163,7 +163,7 @@ def test_without_grad_the_forward_computes_exactly_what_it_computes_with_grad():
 
 def test_under_autocast_the_pair_reads_its_sites_as_fsdp_gathers_them(poisoned):
     """The layer's call on one GPU (fp32 parameters under autocast) computes exactly what it computes
-    on bf16 parameters (FSDP's): outputs, weights, the marked sources' gradients, the parameters'
+    on bf16 parameters (FSDP's): outputs, logits, the marked sources' gradients, the parameters'
     gradients once rounded to bf16 (they keep fp32); with and without grad."""
     H, d, S, T = 8, 40, 3, 5
     leaves = pair(H, d, S, T, torch.float32)
@@ -180,8 +180,8 @@ def test_under_autocast_the_pair_reads_its_sites_as_fsdp_gathers_them(poisoned):
     assert [g.dtype for g in got[4 + S :]] == [torch.float32] * 8
     for name, a, b in zip(names(S), got, want, strict=True):
         assert torch.equal(a.to(b.dtype), b), name
-    for (out, weights), a, w in zip(plain, got[:2], got[2:4], strict=True):
-        assert torch.equal(out, a) and torch.equal(weights, w)
+    for (out, logits), a, lg in zip(plain, got[:2], got[2:4], strict=True):
+        assert torch.equal(out, a) and torch.equal(logits, lg)
 
 
 def test_one_forward_and_one_stats_launch_serve_both_sites(monkeypatch):
@@ -232,7 +232,7 @@ def test_a_traced_graph_routes_the_pair_through_the_custom_op():
     traced = torch.compile(both, backend="aot_eager", fullgraph=True)(sources, *sites)
     assert not counters["graph_break"]
     got = [*traced, *torch.autograd.grad(traced, leaves, grad_outs)]
-    ops = [mhar_route_with_weights(None, sources, *p, num_heads=H, eps=EPS, backend="triton_op")[0] for p in sites]
+    ops = [mhar_route_with_logits(None, sources, *p, num_heads=H, eps=EPS, backend="triton_op")[0] for p in sites]
     want = [*ops, *torch.autograd.grad(ops, leaves, grad_outs)]
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), i
@@ -246,4 +246,9 @@ def test_a_site_parameter_changed_in_place_is_refused_by_name():
     with torch.no_grad():
         sites[1][1].mul_(2)  # the second site's query
     with pytest.raises(RuntimeError, match=r"call's site 1 query was modified in place"):
+        torch.autograd.grad([o for o, _ in outs], leaves, [torch.ones_like(sources[0])] * 2)
+    # the backward reads the logits the forward returned: changed in place, they are refused too
+    outs = mhar_route_pair(sources, sites, num_heads=H, eps=EPS, backend="triton")
+    outs[0][1].sub_(outs[0][1].amax(dim=0))  # a user's in-place normalisation of site 0's logits
+    with pytest.raises(RuntimeError, match=r"call's site 0 routing logits \(an output\) was modified in place"):
         torch.autograd.grad([o for o, _ in outs], leaves, [torch.ones_like(sources[0])] * 2)

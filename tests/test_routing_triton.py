@@ -8,7 +8,8 @@ from torch.utils.checkpoint import checkpoint
 from torchtitan.config import Optimizer as OptimizerConfig
 
 import kernels.triton.launch as rt
-from kernels.routing import mhar_route_with_weights, route_torch, routing_source
+from kernels.routing import mhar_route_with_logits, mhar_route_with_weights, route_torch, routing_source
+from kernels.triton import host
 from mhar_titan.components.optimizer import build_optimizers
 from mhar_titan.model.args import FLAVORS, MHAR
 from mhar_titan.model.model import MHARTransformer
@@ -327,6 +328,22 @@ def test_inputs_changed_in_place_or_a_second_backward_are_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="twice"):
         loss.backward()
+    out, logits = mhar_route_with_logits(x, [s0, s1], *params, num_heads=H, eps=1e-5, backend="triton")
+    logits.mul_(0.5)  # the backward reads them: changed, every gradient would be wrong
+    with pytest.raises(RuntimeError, match=r"call's routing logits \(an output\) was modified in place"):
+        out.sum().backward()
+
+
+def test_logits_of_another_shape_are_refused_by_the_backward():
+    """The stats kernel indexes the logits as [N, rows, H]: others would read other rows' logits."""
+    H, S = 8, 2
+    leaves = site(H, 40, S, 3, torch.float32)
+    x, sources, params = leaves[0], leaves[1 : 1 + S], [t.detach() for t in leaves[1 + S :]]
+    _, logits = host.forward(x.detach(), [s.detach() for s in sources], *params, H, 1e-5)
+    grad = torch.randn_like(x)
+    for bad, what in ((logits[:, :1], r"shape \(3, 1, 3, 8\)"), (logits.transpose(1, 2), "not contiguous")):
+        with pytest.raises(ValueError, match=what):
+            host.stats(grad, bad, [s.detach() for s in sources], *params, H, 1e-5)
 
 
 def test_routing_source_is_the_tensor_itself_where_nothing_is_shared():

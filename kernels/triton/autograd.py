@@ -2,14 +2,16 @@
 
 - `route_op`: `torch.ops.mhar.route_fwd` / `route_bwd`, custom ops with autograd, which
   torch.compile keeps in its graph as one node each instead of breaking at every call; it saves
-  its inputs with save_for_backward and returns every gradient. Per-block-compiled training
+  its inputs and its routing logits with save_for_backward and returns every gradient. Per-block-compiled training
   takes this path (see `_route_eager_in_graph`), and the model's activation checkpointing keeps
   its outputs (mhar_titan's parallelize: `keep_routing_outputs`).
 - `route_eager`: a plain autograd.Function over the same host wrappers, without the custom-op
   dispatch, whose Python cost per call exceeds the kernels' own (kernels/NOTES.md). It keeps the
-  inputs on its context (not save_for_backward), so an activation checkpoint around a call has
-  nothing to unpack and never re-runs the forward, and it sums the gradients of sources marked
-  with `shared.share_source_grad` in place.
+  inputs and logits on its context (not save_for_backward), so an activation checkpoint around a
+  call has nothing to unpack and never re-runs the forward, and it sums the gradients of sources
+  marked with `shared.share_source_grad` in place.
+Both return the routing logits [N, *shape[:-1], H] (fp32, the null's first) beside the output:
+the backward reads them rather than recomputing them, and statistics take their softmax.
 
 - `route_pair_eager`: `route_eager` for two sites over the same sources (a layer's two sites),
   each source read once by one forward pass and one stats pass for both.
@@ -50,14 +52,15 @@ def route_fwd(
 @route_fwd.register_fake
 def _(x, sources, null, query, norm_weight, gate, num_heads, eps, out_dtype):
     ref = sources[0] if x is None else x
-    weights = ref.new_empty((len(sources) + 1, *ref.shape[:-1], num_heads), dtype=torch.float32)
+    logits = ref.new_empty((len(sources) + 1, *ref.shape[:-1], num_heads), dtype=torch.float32)
     out = torch.empty_like(ref) if x is not None else torch.empty_like(ref, dtype=out_dtype or query.dtype)
-    return out, weights
+    return out, logits
 
 
 @torch.library.custom_op("mhar::route_bwd", mutates_args=())
 def route_bwd(
     grad_out: torch.Tensor,
+    logits: torch.Tensor,
     sources: list[torch.Tensor],
     null: torch.Tensor,
     query: torch.Tensor,
@@ -66,11 +69,11 @@ def route_bwd(
     num_heads: int,
     eps: float,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return host.backward(grad_out, sources, null, query, norm_weight, gate, num_heads, eps)
+    return host.backward(grad_out, logits, sources, null, query, norm_weight, gate, num_heads, eps)
 
 
 @route_bwd.register_fake
-def _(grad_out, sources, null, query, norm_weight, gate, num_heads, eps):
+def _(grad_out, logits, sources, null, query, norm_weight, gate, num_heads, eps):
     return (
         [torch.empty_like(s) for s in sources],
         torch.empty_like(null),
@@ -83,12 +86,14 @@ def _(grad_out, sources, null, query, norm_weight, gate, num_heads, eps):
 def _setup_context(ctx, inputs, output) -> None:
     x, sources, null, query, norm_weight, gate, num_heads, eps, *_ = inputs
     ctx.num_heads, ctx.eps, ctx.has_x = num_heads, eps, x is not None
-    ctx.save_for_backward(null, query, norm_weight, gate, *sources)
+    ctx.save_for_backward(null, query, norm_weight, gate, output[1], *sources)
 
 
-def _op_backward(ctx, grad_out, grad_weights):
-    null, query, norm_weight, gate, *sources = ctx.saved_tensors
-    dsrcs, dz, dq, dg, dgate = route_bwd(grad_out, sources, null, query, norm_weight, gate, ctx.num_heads, ctx.eps)
+def _op_backward(ctx, grad_out, grad_logits):
+    null, query, norm_weight, gate, logits, *sources = ctx.saved_tensors
+    dsrcs, dz, dq, dg, dgate = route_bwd(
+        grad_out, logits, sources, null, query, norm_weight, gate, ctx.num_heads, ctx.eps
+    )
     return grad_out if ctx.has_x else None, dsrcs, dz, dq, dg, dgate, None, None, None
 
 
@@ -108,14 +113,15 @@ def route_op(
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused routing through the custom op (default launch tables): (x + gate * R, or gate * R in
-    `out_dtype` (default: the parameters') when x is None; routing weights [N, *shape[:-1], H] fp32)."""
+    `out_dtype` (default: the parameters') when x is None; routing logits [N, *shape[:-1], H] fp32)."""
     return torch.ops.mhar.route_fwd(x, list(sources), null, query, norm_weight, gate, num_heads, eps, out_dtype)
 
 
-def _unpack_inputs(ctx) -> tuple[torch.Tensor, ...]:
-    """The inputs kept by forward, released here: the graph may outlive the backward (the
-    loss of one microbatch is alive during the next), the sources should not."""
+def _unpack_inputs(ctx) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(The inputs, the logits per site) kept by forward, released here: the graph may outlive the
+    backward (the loss of one microbatch is alive during the next), the sources should not."""
     inputs, ctx.inputs = ctx.inputs, None
+    logits, ctx.logits = ctx.logits, None
     if inputs is None:
         raise RuntimeError(
             "mhar_route: backward through the same triton routing call twice (retain_graph=True) is not "
@@ -123,14 +129,21 @@ def _unpack_inputs(ctx) -> tuple[torch.Tensor, ...]:
         )
     names = ("null", "query", "norm_weight", "gate")
     per_site = [f"site {k} {name}" for k in range(ctx.num_sites) for name in names] if ctx.num_sites > 1 else names
-    for i, (t, version) in enumerate(zip(inputs, ctx.versions, strict=True)):
+    sites = [f"site {k} " if ctx.num_sites > 1 else "" for k in range(ctx.num_sites)]
+    kept = (*inputs, *logits)
+    for i, (t, version) in enumerate(zip(kept, ctx.versions, strict=True)):
         if t._version != version:
-            what = per_site[i] if i < len(per_site) else f"source {i - len(per_site)}"
+            if i < len(per_site):
+                what = per_site[i]
+            elif i < len(inputs):
+                what = f"source {i - len(per_site)}"
+            else:  # the backward reads them: a change there would change every gradient
+                what = f"{sites[i - len(inputs)]}routing logits (an output)"
             raise RuntimeError(
                 f"mhar_route: the routing call's {what} was modified in place after the call (version "
                 f"{version} -> {t._version}); its gradient would be wrong"
             )
-    return inputs
+    return inputs, logits
 
 
 class _Route(torch.autograd.Function):
@@ -141,22 +154,22 @@ class _Route(torch.autograd.Function):
         ctx.slots = shared.grad_slots(sources)
         rstds = _marked_rstds(sources, ctx.slots, eps, tables)
         site = in_dtype((null, query, norm_weight, gate), param_dtype)
-        out, weights = host.forward(x, sources, *site, num_heads, eps, tables, rstds, out_dtype)
+        out, logits = host.forward(x, sources, *site, num_heads, eps, tables, rstds, out_dtype)
         ctx.num_heads, ctx.eps, ctx.rstds, ctx.tables, ctx.has_x = num_heads, eps, rstds, tables, x is not None
         ctx.num_sites, ctx.site = 1, site
-        # The backward needs the inputs only (not x). Kept on ctx rather than saved with
-        # save_for_backward, so an activation checkpoint around the call has no saved
+        # The backward needs the inputs (not x) and the logits. Kept on ctx rather than saved
+        # with save_for_backward, so an activation checkpoint around the call has no saved
         # tensor to unpack and never re-runs the forward; the version check that
         # save_for_backward would do is done in backward.
-        ctx.inputs = (null, query, norm_weight, gate, *sources)
-        ctx.versions = [t._version for t in ctx.inputs]
-        ctx.mark_non_differentiable(weights)
-        ctx.set_materialize_grads(False)  # no zero-filled gradient for the weights
-        return out, weights
+        ctx.inputs, ctx.logits = (null, query, norm_weight, gate, *sources), (logits,)
+        ctx.versions = [t._version for t in (*ctx.inputs, logits)]
+        ctx.mark_non_differentiable(logits)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for the logits
+        return out, logits
 
     @staticmethod
-    def backward(ctx, grad_out, grad_weights):
-        inputs = _unpack_inputs(ctx)
+    def backward(ctx, grad_out, grad_logits):
+        inputs, (logits,) = _unpack_inputs(ctx)
         params, sources = inputs[:4], inputs[4:]  # the parameters: their gradients' dtypes
         site, ctx.site = ctx.site, None
         if grad_out is None:  # the output did not reach the loss
@@ -165,7 +178,7 @@ class _Route(torch.autograd.Function):
         rstds, ctx.rstds = ctx.rstds, None
         tables = ctx.tables
         call, dz, dq, dg, dgate = host.stats(
-            grad_out, sources, *site, ctx.num_heads, ctx.eps, rstds, tables, grad_like=params
+            grad_out, logits, sources, *site, ctx.num_heads, ctx.eps, rstds, tables, grad_like=params
         )
         # A shared source's gradient goes to its slot (None to autograd), the others to autograd.
         if all(slot is not None for slot in ctx.slots):
@@ -192,7 +205,7 @@ def route_eager(
     param_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused routing through the eager autograd.Function: (x + gate * R, or gate * R in
-    `out_dtype` (default: the parameters') when x is None; routing weights [N, *shape[:-1], H]
+    `out_dtype` (default: the parameters') when x is None; routing logits [N, *shape[:-1], H]
     fp32). `param_dtype`: the dtype the kernels read the site parameters in (autocast's,
     kernels/routing.py; None: theirs); their gradients keep the parameters' dtype. `tables`:
     launch shapes, DEFAULT_TABLES unless a benchmark passes its own. With nothing to
@@ -217,34 +230,36 @@ class _RoutePair(torch.autograd.Function):
         sites = (host.Site(*work[:4]), host.Site(*work[4:]))
         ctx.slots = shared.grad_slots(sources)
         rstds = _marked_rstds(sources, ctx.slots, eps, tables)
-        (out_a, w_a), (out_b, w_b) = host.forward_pair(sources, sites, num_heads, eps, tables, rstds, out_dtype)
+        (out_a, lg_a), (out_b, lg_b) = host.forward_pair(sources, sites, num_heads, eps, tables, rstds, out_dtype)
         ctx.num_heads, ctx.eps, ctx.rstds, ctx.tables, ctx.num_sites = num_heads, eps, rstds, tables, 2
         ctx.sites = sites
-        ctx.inputs = inputs  # kept on ctx, not saved: as in _Route
-        ctx.versions = [t._version for t in inputs]
-        ctx.mark_non_differentiable(w_a, w_b)
+        ctx.inputs, ctx.logits = inputs, (lg_a, lg_b)  # kept on ctx, not saved: as in _Route
+        ctx.versions = [t._version for t in (*inputs, lg_a, lg_b)]
+        ctx.mark_non_differentiable(lg_a, lg_b)
         ctx.set_materialize_grads(False)
-        return out_a, w_a, out_b, w_b
+        return out_a, lg_a, out_b, lg_b
 
     @staticmethod
-    def backward(ctx, grad_a, _gw_a, grad_b, _gw_b):
-        inputs = _unpack_inputs(ctx)
+    def backward(ctx, grad_a, _glg_a, grad_b, _glg_b):
+        inputs, logits = _unpack_inputs(ctx)
         params, sources = (inputs[:4], inputs[4:8]), inputs[8:]  # the parameters: their gradients' dtypes
         sites, ctx.sites = ctx.sites, None
         rstds, ctx.rstds = ctx.rstds, None
         nothing = (None,) * (6 + len(inputs))
-        reached = [(g, s, p) for g, s, p in zip((grad_a, grad_b), sites, params, strict=True) if g is not None]
+        reached = [
+            (g, lg, s, p) for g, lg, s, p in zip((grad_a, grad_b), logits, sites, params, strict=True) if g is not None
+        ]
         if not reached:  # neither output reached the loss
             return nothing
         shared.check_open(ctx.slots)
         if len(reached) == 2 and ctx.tables.stats_pair[len(sources)] is not None:
             results = host.stats_pair(
-                (grad_a, grad_b), sources, sites, ctx.num_heads, ctx.eps, rstds, ctx.tables, grads_like=params
+                (grad_a, grad_b), logits, sources, sites, ctx.num_heads, ctx.eps, rstds, ctx.tables, grads_like=params
             )
         else:  # one site reached the loss, or two single-site passes are the faster (the table's None)
             results = [
-                host.stats(g, sources, *site, ctx.num_heads, ctx.eps, rstds, ctx.tables, grad_like=like)
-                for g, site, like in reached
+                host.stats(g, lg, sources, *site, ctx.num_heads, ctx.eps, rstds, ctx.tables, grad_like=like)
+                for g, lg, site, like in reached
             ]
         # the second site's first, as autograd would run two separate calls (the later one first):
         # the sums come out in the same order, so bit for bit the same
@@ -275,7 +290,7 @@ def route_pair_eager(
     param_dtype: torch.dtype | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Two sites over the same sources through `_RoutePair`: per site (gate * R in `out_dtype`,
-    default its parameters'; routing weights [N, *shape[:-1], H] fp32). Each site is (null,
+    default its parameters'; routing logits [N, *shape[:-1], H] fp32). Each site is (null,
     query, norm weight, gate); `param_dtype` as in `route_eager`. Without anything to
     differentiate the forward kernel is launched directly, as in `route_eager`."""
     tables = tables or DEFAULT_TABLES
@@ -285,10 +300,10 @@ def route_pair_eager(
         work = in_dtype(params, param_dtype)
         sites = (host.Site(*work[:4]), host.Site(*work[4:]))
         return host.forward_pair(sources, sites, num_heads, eps, tables, rstds, out_dtype)
-    out_a, w_a, out_b, w_b = _RoutePair.apply(
+    out_a, lg_a, out_b, lg_b = _RoutePair.apply(
         num_heads, eps, tables, out_dtype, param_dtype, len(params), *params, *sources
     )
-    return [(out_a, w_a), (out_b, w_b)]
+    return [(out_a, lg_a), (out_b, lg_b)]
 
 
 def in_dtype(params: Sequence[torch.Tensor], dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:

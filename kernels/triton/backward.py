@@ -21,11 +21,8 @@ from kernels.triton.tiles import (
     head_sum,
     head_sums2,
     head_sums3,
-    head_sums4,
-    head_sums5,
     lead_tiles,
     load_raw,
-    null_logit,
     param,
     row_rstd,
     row_tile_offsets,
@@ -34,55 +31,42 @@ from kernels.triton.tiles import (
 
 
 @triton.jit
-def _softmax_terms(lgs, cs, z_logit, c0, NUM_SRC: tl.constexpr):
-    """A site's row from its per-source logits and dout products: (max, 1 / sum, null weight,
-    dot = sum_n w_n c_n)."""
-    m = z_logit
-    for i in tl.static_range(NUM_SRC):
-        m = tl.maximum(m, lgs[i])
-    w0 = tl.exp(z_logit - m)
-    den = w0
-    dot = w0 * c0
-    for i in tl.static_range(NUM_SRC):
-        e = tl.exp(lgs[i] - m)
-        den += e
-        dot += e * cs[i]
-    inv = 1.0 / den
-    return m, inv, w0 * inv, dot * inv
-
-
-@triton.jit
 def _stats_row(
-    w0do, dl0, dgate, m, inv, w0, dot, cs, lgs, rstds, c0, do, gate, COEF, row, M, plane,
+    w0do, dl0, dgate, lg_t, c_t, r_t, do, gate, COEF, row, M, plane,
     D: tl.constexpr, H: tl.constexpr, NUM_SRC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """A site's row, once every source's logit is known: its coefficients stored, its sums over
-    rows updated; returns them and the per-source B (rstd_n dl_n) the second pass weighs sources by."""
+    """A site's row from its [heads, sources] tiles (the forward's logits, the products c_n =
+    <dout, s_n> and the sources' rstd; the null in column 0): its coefficients stored, its sums
+    over rows updated; returns them and the per-source B (rstd_n dl_n) the second pass weighs
+    sources by. A tile's row is one head, held whole by each thread of that head's warp, so the
+    sums over sources are a thread's own."""
     nn = tl.arange(0, BLOCK_N)[None, :]
     hw = tl.arange(0, BLOCK_H)[:, None]
-    w0do += (gate * w0)[:, None, None] * do
-    dl0 += gate * w0 * (c0 - dot)
+    used = nn < NUM_SRC + 1
+    # `+ 0 c_t` gives the logits c_t's layout, where each thread of a head's warp holds the head's
+    # whole row, so the sums over sources below are a thread's own; in the load's layout they
+    # crossed warps, through shared memory
+    lg_t = tl.where(used, lg_t + 0.0 * c_t, float("-inf"))
+    m = tl.max(lg_t, axis=1)
+    e = tl.where(used, tl.exp(lg_t - m[:, None]), 0.0)
+    w = e * (1.0 / tl.sum(e, axis=1))[:, None]
+    dot = tl.sum(w * c_t, axis=1)
+    a_t = gate * w
+    dl = a_t * (c_t - dot[:, None])
+    b_t = dl * r_t
+    c_t = dl * tl.where(used, lg_t, 0.0) * (r_t * r_t / D)
+    w0do += tl.sum(tl.where(nn == 0, a_t, 0.0), axis=1)[:, None, None] * do
+    dl0 += tl.sum(tl.where(nn == 0, dl, 0.0), axis=1)
     dgate += dot
-    # gathered into [heads, sources] tiles, one store each: a store goes through shared
-    # memory (Triton coalesces it), so one per coefficient, not one per source
-    a_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-    b_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-    c_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-    bs = ()
-    for i in tl.static_range(NUM_SRC):
-        w = tl.exp(lgs[i] - m) * inv
-        dl = gate * w * (cs[i] - dot)
-        b = dl * rstds[i]
-        bs = bs + (b,)
-        sel = nn == i
-        a_t = tl.where(sel, (gate * w)[:, None], a_t)
-        b_t = tl.where(sel, b[:, None], b_t)
-        c_t = tl.where(sel, (dl * lgs[i] * (rstds[i] * rstds[i] / D))[:, None], c_t)
-    offs = nn * (M * H) + row * H + hw
-    valid = (nn < NUM_SRC) & (hw < H) & (row < M)
+    # column n of the tiles is source n - 1's coefficients (COEF holds the caller's sources only)
+    offs = (nn - 1) * (M * H) + row * H + hw
+    valid = (nn >= 1) & used & (hw < H) & (row < M)
     tl.store(COEF + offs, a_t, mask=valid)
     tl.store(COEF + plane + offs, b_t, mask=valid)
     tl.store(COEF + 2 * plane + offs, c_t, mask=valid)
+    bs = ()
+    for i in tl.static_range(NUM_SRC):
+        bs = bs + (tl.sum(tl.where(nn == i + 1, b_t, 0.0), axis=1),)
     return w0do, dl0, dgate, bs
 
 
@@ -107,15 +91,13 @@ def route_bwd_stats_kernel(
     SRCS,
     RSTDS,
     NULL,
-    Q,
-    G,
+    LG,
     GATE,
     COEF,
     PARTS,
     DOUT2,
     NULL2,
-    Q2,
-    G2,
+    LG2,
     GATE2,
     COEF2,
     PARTS2,
@@ -136,33 +118,35 @@ def route_bwd_stats_kernel(
     SITES: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    # Per row and head, with c_n = <dout_h, s_n,h>, a_n = <(q g)_h, s_n,h>, w = softmax_n(a_n rstd_n)
-    # (null: its own logit), dot = sum_n w_n c_n, dl_n = gate w_n (c_n - dot):
+    # Per row and head, with c_n = <dout_h, s_n,h>, l_n = rstd_n <(q g)_h, s_n,h> the logits the
+    # forward saved (LG, [N, M, H], the null's in plane 0), w = softmax_n(l_n),
+    # dot = sum_n w_n c_n, dl_n = gate w_n (c_n - dot):
     #   ds_n = A_n dout + B_n (q g) - C_n s_n   with   A_n = gate w_n,  B_n = rstd_n dl_n,
-    #   C_n = rstd_n^3 sum_h(dl_n a_n) / D.
+    #   C_n = rstd_n^2 sum_h(dl_n l_n) / D.
     # COEF[k, n - 1, row, h] holds A, B and C's terms per head (the mix kernel sums them) for the
     # sources n >= 1. The weight gradients are sums over rows: of sum_n B_n s_n (query, norm
     # weight), of A_0 dout (null), of dl_0 (the null's norm term) and of dot (gate); this
     # program sums them over its ROWS rows into PARTS (_partials). B_n needs dot, known only
     # after the last source, so each row takes two passes over its sources: the first reduces
-    # them to per-head scalars (logits, c_n, norms), the second adds sum_n B_n s_n to the
-    # running sum, re-reading the row's sources, which the first pass has just brought into
-    # L1. Holding only scalars between the passes (no running row tiles) keeps registers low.
-    # Per-source statistics are tuples of per-head vectors, which cost a register each.
+    # them to per-head scalars (c_n, norms), the second adds sum_n B_n s_n to the running sum,
+    # re-reading the row's sources, which the first pass has just brought into L1. The logits
+    # are read, not recomputed: the first pass has one product per site and source to sum, and
+    # the query and norm weight are not read at all.
     # SITES = 2: a second site over the same sources (DOUT2 .. PARTS2), each source read once for both.
     # PREFETCH: a row's first loads (its output gradients and first two sources) are issued while
     # the row before finishes (its softmax, coefficients and second pass), so a program, one per
     # SM, always has loads in flight; without it each row starts by waiting for memory.
     cols, mask = row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
-    z_logit = null_logit(NULL, Q, G, cols, mask, D, eps, JOINT)
-    gate = tl.load(GATE).to(tl.float32)
+    nn = tl.arange(0, BLOCK_N)[None, :]
+    hw = tl.arange(0, BLOCK_H)[:, None]
+    lg_ok = (nn < NUM_SRC + 1) & (hw < H)
     plane = NUM_SRC * M * H
+    gate = tl.load(GATE).to(tl.float32)
     t = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
     w0do = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
     dl0 = tl.zeros([BLOCK_H], tl.float32)
     dgate = tl.zeros([BLOCK_H], tl.float32)
     if SITES > 1:
-        z_logit2 = null_logit(NULL2, Q2, G2, cols, mask, D, eps, JOINT)
         gate2 = tl.load(GATE2).to(tl.float32)
         t2 = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
         w0do2 = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
@@ -187,46 +171,45 @@ def route_bwd_stats_kernel(
             s_b = s_a
             if NUM_SRC > 1:
                 s_b = load_raw(SRCS[1] + base + cols, row_mask, EVEN)
-        c0 = head_sum(do * param(NULL, cols, mask))
-        cs, lgs, rstds = (), (), ()
+        lg_offs = nn * (M * H) + row * H + hw
+        lg_t = tl.load(LG + lg_offs, mask=lg_ok & (row < M), other=0.0)  # finite past the last row
+        c_t = tl.where(nn == 0, head_sum(do * param(NULL, cols, mask))[:, None], 0.0)
+        r_t = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
         if SITES > 1:
-            c02 = head_sum(do2 * param(NULL2, cols, mask))
-            cs2, lgs2 = (), ()
+            lg_t2 = tl.load(LG2 + lg_offs, mask=lg_ok & (row < M), other=0.0)
+            c_t2 = tl.where(nn == 0, head_sum(do2 * param(NULL2, cols, mask))[:, None], 0.0)
         for i in tl.static_range(NUM_SRC):
             s = s_a.to(tl.float32)
             if i + 1 < NUM_SRC:
                 s_a = s_b
             if i + 2 < NUM_SRC:
                 s_b = load_raw(SRCS[i + 2] + base + cols, row_mask, EVEN)
-            qg = param(Q, cols, mask) * param(G, cols, mask)
             if SITES > 1:
-                qg2 = param(Q2, cols, mask) * param(G2, cols, mask)
                 if (KNOWN >> i) & 1:
-                    sd, sq, sd2, sq2 = head_sums4(s * do, s * qg, s * do2, s * qg2, JOINT)
+                    sd, sd2 = head_sums2(s * do, s * do2, JOINT)
                     rstd = row_rstd(RSTDS[i], row, M, EVEN)
                 else:
-                    ss, sd, sq, sd2, sq2 = head_sums5(s * s, s * do, s * qg, s * do2, s * qg2, JOINT)
+                    ss, sd, sd2 = head_sums3(s * s, s * do, s * do2, JOINT)
                     rstd = tl.rsqrt(tl.sum(ss) / D + eps)
-                cs2, lgs2 = cs2 + (sd2,), lgs2 + (sq2 * rstd,)
+                c_t2 = tl.where(nn == i + 1, sd2[:, None], c_t2)
             elif (KNOWN >> i) & 1:
-                sd, sq = head_sums2(s * do, s * qg, JOINT)
+                sd = head_sum(s * do)
                 rstd = row_rstd(RSTDS[i], row, M, EVEN)
             else:
-                ss, sd, sq = head_sums3(s * s, s * do, s * qg, JOINT)
+                ss, sd = head_sums2(s * s, s * do, JOINT)
                 rstd = tl.rsqrt(tl.sum(ss) / D + eps)
-            cs, lgs, rstds = cs + (sd,), lgs + (sq * rstd,), rstds + (rstd,)
+            c_t = tl.where(nn == i + 1, sd[:, None], c_t)
+            r_t = tl.where(nn == i + 1, rstd, r_t)
         if PREFETCH:  # the next row of this program's, if any
             n_mask = mask & (r + 1 < ROWS) & (row + 1 < M)
             n_do, n_do2, n_a, n_b = lead_tiles(DOUT, DOUT2, SRCS, base + D + cols, n_mask, NUM_SRC, SITES)
-        m, inv, w0, dot = _softmax_terms(lgs, cs, z_logit, c0, NUM_SRC)
         w0do, dl0, dgate, bs = _stats_row(
-            w0do, dl0, dgate, m, inv, w0, dot, cs, lgs, rstds, c0, do, gate, COEF, row, M, plane,
+            w0do, dl0, dgate, lg_t, c_t, r_t, do, gate, COEF, row, M, plane,
             D, H, NUM_SRC, BLOCK_H, BLOCK_N,
         )  # fmt: skip
         if SITES > 1:
-            m2, inv2, w02, dot2 = _softmax_terms(lgs2, cs2, z_logit2, c02, NUM_SRC)
             w0do2, dl02, dgate2, bs2 = _stats_row(
-                w0do2, dl02, dgate2, m2, inv2, w02, dot2, cs2, lgs2, rstds, c02, do2, gate2, COEF2, row, M, plane,
+                w0do2, dl02, dgate2, lg_t2, c_t2, r_t, do2, gate2, COEF2, row, M, plane,
                 D, H, NUM_SRC, BLOCK_H, BLOCK_N,
             )  # fmt: skip
         # the second pass: sum_n B_n s_n, the sources re-read (from L1: the first pass just loaded them)

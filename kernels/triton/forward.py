@@ -5,8 +5,9 @@ source to its per-head logit (the full-width RMS norm fused, or a marked source'
 computed once for all its calls), the second re-reads the tiles the first just brought into L1
 and sums them with their softmax weights; only per-head scalars live between the passes, which
 keeps registers low (kernels/NOTES.md, v13). fp32 statistics, the null source read as one vector.
-Writes the routing weights [N, M, H] (fp32) beside the output, which is x + gate * R, or gate * R
-alone without x (the model adds x inside its compiled block, where the add is free). Two sites
+The output is x + gate * R, or gate * R alone without x (the model adds x inside its compiled
+block, where the add is free); beside it the routing logits [N, M, H] (fp32, the null's first),
+which the backward reads instead of recomputing them and statistics turn into weights. Two sites
 over the same sources (a layer's attention and MLP inputs) share the passes: each source is read
 from memory once for both."""
 
@@ -52,13 +53,13 @@ def route_fwd_kernel(
     G,
     GATE,
     OUT,
-    W,
+    LG,
     NULL2,
     Q2,
     G2,
     GATE2,
     OUT2,
-    W2,
+    LG2,
     M,
     eps,
     D: tl.constexpr,
@@ -79,7 +80,7 @@ def route_fwd_kernel(
 ):
     # KNOWN: bit i set if source i's 1 / rms per row is given (RSTDS[i]); HAS_X: add x (X) to the
     # output, else write gate * R alone (X is not read). SITES = 2: a second site over the same
-    # sources (NULL2 .. W2; the two sites of a layer), each source loaded once for both; without x.
+    # sources (NULL2 .. LG2; the two sites of a layer), each source loaded once for both; without x.
     # PREFETCH: a row's first two sources are loaded while the row before finishes (ROWS > 1).
     cols, mask = row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
     # per-source statistics as [heads, sources] tiles, laid out as the heads' sums come
@@ -160,8 +161,8 @@ def route_fwd_kernel(
         if HAS_X:
             acc += load_raw(X + base + cols, row_mask, EVEN).to(tl.float32)
         store(OUT + base + cols, acc, row_mask, EVEN)
-        w_offs = nn * (M * H) + row * H + hw
-        tl.store(W + w_offs, w * inv[:, None], mask=w_mask & (row < M))
+        lg_offs = nn * (M * H) + row * H + hw
+        tl.store(LG + lg_offs, logits, mask=w_mask & (row < M))
         if SITES > 1:
             store(OUT2 + base + cols, acc2, row_mask, EVEN)
-            tl.store(W2 + w_offs, w2 * inv2[:, None], mask=w_mask & (row < M))
+            tl.store(LG2 + lg_offs, logits2, mask=w_mask & (row < M))

@@ -65,8 +65,8 @@ def forward(
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel: (x + gate * R in x's dtype, or gate * R in `out_dtype` (default: the
-    parameters') when x is None; routing weights [N, *shape[:-1], H] fp32). `rstds`: per source
-    its 1 / rms per row where known, else None."""
+    parameters') when x is None; routing logits [N, *shape[:-1], H] fp32, which `stats` reads).
+    `rstds`: per source its 1 / rms per row where known, else None."""
     return _forward(x, sources, (Site(null, query, norm_weight, gate),), num_heads, eps, tables, rstds, out_dtype)[0]
 
 
@@ -80,7 +80,7 @@ def forward_pair(
     out_dtype: torch.dtype | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Two sites over the same sources in one pass (each source read once): per site (gate * R in
-    `out_dtype`, default its parameters', and its routing weights), as `forward` without x."""
+    `out_dtype`, default its parameters', and its routing logits), as `forward` without x."""
     if len(sites) != 2:
         raise ValueError(f"forward_pair routes two sites, got {len(sites)}")
     return _forward(None, sources, tuple(sites), num_heads, eps, tables, rstds, out_dtype)
@@ -98,23 +98,23 @@ def _forward(x, sources, sites, num_heads, eps, tables, rstds, out_dtype) -> lis
         else launch.empty(xs.shape, device=xs.device, dtype=out_dtype or site.query.dtype)
         for site in sites
     ]
-    w_shape = (len(srcs) + 1, *srcs[0].shape[:-1], num_heads)
-    weights = [launch.empty(w_shape, device=xs.device, dtype=torch.float32) for _ in sites]
+    lg_shape = (len(srcs) + 1, *srcs[0].shape[:-1], num_heads)
+    logits = [launch.empty(lg_shape, device=xs.device, dtype=torch.float32) for _ in sites]
     interp = interpreting()
     shape = (tables.fwd if len(sites) == 1 else tables.fwd_pair)[len(srcs)]
     rows = cpu_rows(m) if interp else shape["rows"]
-    known, rstd_ptrs = _known_rstds(rstds if shape["given_rstd"] else (), len(srcs), weights[0])
+    known, rstd_ptrs = _known_rstds(rstds if shape["given_rstd"] else (), len(srcs), logits[0])
     grid, warps, consts = launch.row_launch(
         m, d, num_heads, len(srcs), xs.element_size(), rows, shape["warps_per_4096"], not interp, known, x is not None,
         len(sites), shape["prefetch"],
     )  # fmt: skip
     params = [tuple(t.contiguous() for t in site) for site in sites]
-    second = (*params[-1], outs[-1], weights[-1])  # not read with one site
+    second = (*params[-1], outs[-1], logits[-1])  # not read with one site
     launch.fwd_launcher(
-        grid, warps, consts, xs, srcs, rstd_ptrs, *params[0], outs[0], weights[0], *second, m, eps,
+        grid, warps, consts, xs, srcs, rstd_ptrs, *params[0], outs[0], logits[0], *second, m, eps,
         maxnreg=shape["maxnreg"],
     )  # fmt: skip
-    return list(zip(outs, weights, strict=True))
+    return list(zip(outs, logits, strict=True))
 
 
 class MixCall(NamedTuple):
@@ -128,6 +128,7 @@ class MixCall(NamedTuple):
 
 def stats(
     grad_out: torch.Tensor,
+    logits: torch.Tensor,
     sources: Sequence[torch.Tensor],
     null: torch.Tensor,
     query: torch.Tensor,
@@ -141,14 +142,16 @@ def stats(
 ) -> tuple[MixCall, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One call's backward up to its sources' gradients: the stats and finishing kernels give
     the site's parameter gradients and the coefficients the mix kernel turns into the sources'.
-    `rstds`: per source its 1 / rms per row where known (source_rstd), else None. `grad_like`:
-    the parameters whose dtypes the gradients take (default: these), when these are cast copies."""
+    `logits`: the call's forward's. `rstds`: per source its 1 / rms per row where known
+    (source_rstd), else None. `grad_like`: the parameters whose dtypes the gradients take
+    (default: these), when these are cast copies."""
     site = Site(null, query, norm_weight, gate)
-    return _stats((grad_out,), sources, (site,), num_heads, eps, rstds, tables, (grad_like,))[0]
+    return _stats((grad_out,), (logits,), sources, (site,), num_heads, eps, rstds, tables, (grad_like,))[0]
 
 
 def stats_pair(
     grad_outs: Sequence[torch.Tensor],
+    logits: Sequence[torch.Tensor],
     sources: Sequence[torch.Tensor],
     sites: Sequence[Site],
     num_heads: int,
@@ -157,18 +160,29 @@ def stats_pair(
     tables: LaunchTables = DEFAULT_TABLES,
     grads_like: Sequence[Sequence[torch.Tensor] | None] = (None, None),
 ) -> list[tuple[MixCall, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """`stats` for two sites over the same sources in one pass (each source read once), per site;
-    `grads_like`: per site, as `stats`'s `grad_like`."""
-    if len(sites) != 2 or len(grad_outs) != 2:
-        raise ValueError(f"stats_pair takes two sites and two output gradients, got {len(sites)}, {len(grad_outs)}")
-    return _stats(grad_outs, sources, tuple(sites), num_heads, eps, rstds, tables, grads_like)
+    """`stats` for two sites over the same sources in one pass (each source read once), per site
+    (`logits`: each site's forward's); `grads_like`: per site, as `stats`'s `grad_like`."""
+    if not len(sites) == len(grad_outs) == len(logits) == 2:
+        raise ValueError(
+            f"stats_pair takes two sites, two output gradients and two logits, got {len(sites)}, "
+            f"{len(grad_outs)}, {len(logits)}"
+        )
+    return _stats(grad_outs, logits, sources, tuple(sites), num_heads, eps, rstds, tables, grads_like)
 
 
-def _stats(grad_outs, sources, sites, num_heads, eps, rstds, tables, grads_like) -> list[tuple]:
+def _stats(grad_outs, logits, sources, sites, num_heads, eps, rstds, tables, grads_like) -> list[tuple]:
     check_inputs(grad_outs[0], sources)
     d = grad_outs[0].shape[-1]
     m = grad_outs[0].numel() // d
     n = len(sources)
+    lg_shape = (n + 1, *grad_outs[0].shape[:-1], num_heads)
+    for lg in logits:  # the kernel indexes them as [N, m, H]: another shape would read other rows' logits
+        if lg.shape != lg_shape or lg.dtype != torch.float32 or not lg.is_contiguous():
+            raise ValueError(
+                f"mhar_route backward: routing logits of shape {tuple(lg.shape)}, {lg.dtype}"
+                f"{'' if lg.is_contiguous() else ', not contiguous'}; expected {lg_shape}, torch.float32, "
+                "contiguous, as the forward wrote them"
+            )
     douts = [g.contiguous() for g in grad_outs]
     srcs = tuple(s.contiguous() for s in sources)
     params = [Site(*(t.contiguous() for t in site)) for site in sites]
@@ -189,7 +203,8 @@ def _stats(grad_outs, sources, sites, num_heads, eps, rstds, tables, grads_like)
     )  # fmt: skip
     cap = None if interp else shape["maxnreg"]
     per_site = [
-        (dout, *site, work[:coef_size], work[coef_size:]) for dout, site, work in zip(douts, params, works, strict=True)
+        (dout, site.null, lg, site.gate, work[:coef_size], work[coef_size:])
+        for dout, lg, site, work in zip(douts, logits, params, works, strict=True)
     ]
     first, last = per_site[0], per_site[-1]  # the second site's arguments are not read with one site
     launch.stats_launcher(grid, warps, consts, first[0], srcs, rstd_ptrs, *first[1:], *last, m, eps, maxnreg=cap)
@@ -281,6 +296,7 @@ def apply_norm_term(
 
 def backward(
     grad_out: torch.Tensor,
+    logits: torch.Tensor,
     sources: Sequence[torch.Tensor],
     null: torch.Tensor,
     query: torch.Tensor,
@@ -290,7 +306,9 @@ def backward(
     eps: float,
     tables: LaunchTables = DEFAULT_TABLES,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of the sources and of the site's parameters, for one call on its own."""
-    call, dz, dq, dg, dgate = stats(grad_out, sources, null, query, norm_weight, gate, num_heads, eps, (), tables)
+    """Gradients of the sources and of the site's parameters, for one call on its own (`logits`:
+    its forward's)."""
+    site = (null, query, norm_weight, gate)
+    call, dz, dq, dg, dgate = stats(grad_out, logits, sources, *site, num_heads, eps, (), tables)
     dsrcs = mix([call], sources, (None,) * len(sources), num_heads, tables)
     return dsrcs, dz, dq, dg, dgate

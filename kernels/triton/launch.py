@@ -73,9 +73,8 @@ FWD_PAIR = {
     n: {"rows": rows, "warps_per_4096": 8, "maxnreg": cap, "given_rstd": True, "prefetch": prefetch}
     for n, (rows, cap, prefetch) in _FWD_PAIR_SHAPES.items()
 }
-STATS_PAIR = {
-    n: {"rows": 32 if n == 1 else 64, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True, "prefetch": n <= 6}
-    for n in FWD
+STATS_PAIR = {  # v16 (the forward's logits read): `--tune pair_load`, timed after matmuls
+    n: {"rows": 64, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True, "prefetch": n <= 3} for n in FWD
 }
 MIX = {"block_m": 32, "block_kc": 64, "warps": 4, "calls": 4}  # calls: most calls one pass serves
 NORM = {"block_m": 32, "block_d": 128, "warps": 4}

@@ -15,7 +15,7 @@ from torch import nn
 from torchtitan.models.llama3.model.model import Transformer, TransformerBlock
 from torchtitan.protocols.model import AttentionMasksType
 
-from kernels.routing import mhar_route_pair, mhar_route_with_weights, resolve_backend, routing_source
+from kernels.routing import mhar_route_pair, mhar_route_with_logits, resolve_backend, routing_source
 from mhar_titan.model.args import MHARModelArgs
 
 # Columns of the per-site statistics each block returns (see RoutingSite.stats): these, then the mean
@@ -46,9 +46,9 @@ class RoutingSite(nn.Module):
         nn.init.zeros_(self.gate)
 
     def forward(self, sources: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate * R(sources), the routing weights [N, B, T, H]); the block adds the first to its
+        """(gate * R(sources), the routing logits [N, B, T, H]); the block adds the first to its
         sublayer's input. R depends on the sources alone, not on the stream."""
-        return mhar_route_with_weights(
+        return mhar_route_with_logits(
             None,
             sources,
             self.null,
@@ -65,11 +65,12 @@ class RoutingSite(nn.Module):
         return self.null, self.query, self.norm_weight, self.gate
 
     @torch.no_grad()
-    def stats(self, weights: torch.Tensor) -> torch.Tensor:
+    def stats(self, logits: torch.Tensor) -> torch.Tensor:
         """[gate, mean per-head entropy, mean weight on each source (null, embedding, D_0, ...)], from
-        the [N, B, T, H] weights, NaN-padded to `max_sources` weight columns so every layer's row has
-        the same width; computed on the device, only on the steps that log them."""
-        w = weights.detach().float()
+        the [N, B, T, H] logits (weights: their softmax over N), NaN-padded to `max_sources` weight
+        columns so every layer's row has the same width; computed on the device, only on the steps
+        that log them."""
+        w = torch.softmax(logits.detach().float(), dim=0)
         entropy = -(w * torch.log(w.clamp_min(torch.finfo(w.dtype).tiny))).sum(dim=0).mean()
         per_source = w.mean(dim=(1, 2, 3))
         pad = (self.max_sources or w.shape[0]) - w.shape[0]
@@ -155,16 +156,16 @@ class MHARBlock(TransformerBlock):
         if sources is None:
             return super().forward(x, freqs_cis, attention_masks, positions)
         assert self.attn_routing is not None and self.ffn_routing is not None
-        (routed_attn, attn_weights), (routed_ffn, ffn_weights) = self.route(sources)
+        (routed_attn, attn_logits), (routed_ffn, ffn_logits) = self.route(sources)
         out, delta = self.body(x, routed_attn, routed_ffn, freqs_cis, attention_masks, positions, block_sum)
         if not want_stats:
             return out, delta, None
         # here, inside the block's forward, where FSDP has gathered the gates
-        stats = torch.stack([self.attn_routing.stats(attn_weights), self.ffn_routing.stats(ffn_weights)])
+        stats = torch.stack([self.attn_routing.stats(attn_logits), self.ffn_routing.stats(ffn_logits)])
         return out, delta, stats
 
     def route(self, sources: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Both sites' (gate * R, routing weights). They read the same sources: the fused kernels
+        """Both sites' (gate * R, routing logits). They read the same sources: the fused kernels
         route them together, reading each source once for both; the torch reference goes site by
         site, through the site modules parallelize.py checkpoints and compiles one by one."""
         site_a, site_b = self.attn_routing, self.ffn_routing
