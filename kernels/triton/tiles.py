@@ -73,16 +73,6 @@ def _add3(a0, b0, c0, a1, b1, c1):
 
 
 @triton.jit
-def _add4(a0, b0, c0, d0, a1, b1, c1, d1):
-    return a0 + a1, b0 + b1, c0 + c1, d0 + d1
-
-
-@triton.jit
-def _add5(a0, b0, c0, d0, e0, a1, b1, c1, d1, e1):
-    return a0 + a1, b0 + b1, c0 + c1, d0 + d1, e0 + e1
-
-
-@triton.jit
 def head_sum(a):
     return tl.sum(tl.sum(a, axis=2), axis=1)
 
@@ -101,20 +91,6 @@ def head_sums3(a, b, c, JOINT: tl.constexpr):
     if JOINT:
         return tl.reduce(tl.reduce((a, b, c), 2, _add3), 1, _add3)
     return head_sum(a), head_sum(b), head_sum(c)
-
-
-@triton.jit
-def head_sums4(a, b, c, d, JOINT: tl.constexpr):
-    if JOINT:
-        return tl.reduce(tl.reduce((a, b, c, d), 2, _add4), 1, _add4)
-    return head_sum(a), head_sum(b), head_sum(c), head_sum(d)
-
-
-@triton.jit
-def head_sums5(a, b, c, d, e, JOINT: tl.constexpr):
-    if JOINT:
-        return tl.reduce(tl.reduce((a, b, c, d, e), 2, _add5), 1, _add5)
-    return head_sum(a), head_sum(b), head_sum(c), head_sum(d), head_sum(e)
 
 
 @triton.jit
