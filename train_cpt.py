@@ -37,6 +37,13 @@ from mhar_titan.trainer import run  # noqa: E402
 
 @record
 def main() -> None:
+    if "LOCAL_RANK" not in os.environ and not {"-h", "--help"} & set(sys.argv[1:]):
+        print(
+            "train_cpt.py: run it under torchrun (it needs a process group): launch/torchrun.sh CONFIG [--section.key "
+            "value ...], or torchrun --nproc-per-node=N train_cpt.py --job.config_file CONFIG",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     run(sys.argv[1:])
 
 

@@ -1,8 +1,10 @@
 """A JSON index of a corpus's parquet footers, so start-up costs a few requests, not two per shard per rank.
 
 `_index.json` beside the shards records, per shard, its path relative to the index's folder, its
-size in bytes, its rows per row group and its Arrow columns (name and type as str()), plus a format
-version; unreadable shards are recorded with their error. `shard_infos` answers what
+size in bytes, its rows per row group, its Arrow columns (name and type as str()) and its footer digest
+(`shards.footer_digest`, the shard's content identity with its size), plus a format version; unreadable
+shards are recorded with their error. An entry without a footer digest (an index written before they
+were recorded) is valid, but its shard's footer is read at start-up. `shard_infos` answers what
 `shards.shard_info` answers for every shard, from the index where it covers the shard, else from
 the footer (read in parallel). Coverage is checked against one listing per folder: a shard missing
 from the index, or whose size differs from the one recorded, is read from its footer with a warning
@@ -30,14 +32,15 @@ from typing import Any, Protocol
 import fsspec
 import torch
 import torch.distributed as dist
-from fsspec.core import url_to_fs
 
+from data.listing import Place, folder_sizes, locate, locate_all, to_url
 from data.shards import (
     BadShardError,
     Footer,
     NoDataError,
     ShardInfo,
     check_columns,
+    is_footer_digest,
     list_shards,
     read_footer,
     settle_bad_shards,
@@ -55,7 +58,7 @@ class BadIndexError(ValueError):
     """An index file that cannot be used; the message names the file and the key."""
 
 
-# -- footers and listings -----------------------------------------------------------------------
+# -- footers ------------------------------------------------------------------------------------
 
 
 def read_footers(paths: list[str], threads: int = FOOTER_THREADS) -> list[Footer | BadShardError]:
@@ -82,54 +85,6 @@ def _footer(path: str) -> Footer | BadShardError:
         return e
 
 
-Place = tuple[Any, str, str]  # (filesystem, path without protocol, its folder)
-
-
-def _where(path: str) -> Place:
-    """What listings and relative paths are keyed by."""
-    fs, bare = url_to_fs(path)
-    return fs, bare, fs._parent(bare)
-
-
-def _places(paths: list[str]) -> dict[str, Place]:
-    """`_where` of many paths, the filesystem looked up once per protocol (thousands of shards, every rank)."""
-    filesystems: dict[str, Any] = {}
-    places = {}
-    for path in paths:
-        protocol = path.split("://", 1)[0] if "://" in path else ""
-        if "::" in path:  # a chained URL: no shortcut
-            places[path] = _where(path)
-            continue
-        if protocol not in filesystems:
-            filesystems[protocol] = url_to_fs(path)[0]
-        fs = filesystems[protocol]
-        bare = fs._strip_protocol(path)
-        places[path] = (fs, bare, fs._parent(bare))
-    return places
-
-
-def _listings(places: dict[str, Place], threads: int) -> dict[str, int]:
-    """Size in bytes of every file in the folders of `places`, keyed by protocol-less path: one `ls`
-    per folder. A folder that cannot be listed is left out (its shards then read their footers)."""
-    folders: dict[tuple[int, str], Any] = {}
-    for fs, _, folder in places.values():
-        folders[(id(fs), folder)] = fs
-
-    def listing(key: tuple[int, str]) -> dict[str, int]:
-        try:
-            entries = folders[key].ls(key[1], detail=True)
-        except OSError as e:
-            logger.warning(f"[data] cannot list {key[1]} ({type(e).__name__}: {e}): reading its shards' footers")
-            return {}
-        return {e["name"]: int(e["size"]) for e in entries if e.get("type") == "file"}
-
-    sizes: dict[str, int] = {}
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(folders)))) as pool:
-        for found in pool.map(listing, folders):
-            sizes.update(found)
-    return sizes
-
-
 # -- the index file -----------------------------------------------------------------------------
 
 
@@ -138,15 +93,15 @@ def write_index(shards: list[str], path: str, threads: int = FOOTER_THREADS) -> 
 
     Sizes are listed before the footers are read: a shard rewritten in between then mismatches its
     recorded size later and is re-read, never trusted with an old size and a new footer."""
-    index_fs, _, base = _where(path)
-    places = _places(shards)
+    index_fs, _, base = locate(path)
+    places = locate_all(shards)
     relative = []
     for shard in shards:
         bare = places[shard][1]
         if not bare.startswith(base.rstrip("/") + "/"):
             raise ValueError(f"{shard}: not below the index's folder {base}; write the index higher up (--out)")
         relative.append(bare[len(base.rstrip("/")) + 1 :])
-    sizes = _listings(places, threads)
+    sizes = folder_sizes(places, threads)
     footers = read_footers(shards, threads)
     entries = []
     for shard, rel, footer in sorted(zip(shards, relative, footers, strict=True), key=lambda item: item[1]):
@@ -159,6 +114,7 @@ def write_index(shards: list[str], path: str, threads: int = FOOTER_THREADS) -> 
         else:
             entry["row_groups"] = list(footer.row_groups)
             entry["columns"] = [list(column) for column in footer.columns]
+            entry["footer"] = footer.digest
         entries.append(entry)
     lines = [json.dumps(entry, ensure_ascii=False, separators=(", ", ": ")) for entry in entries]
     head = json.dumps({"format": FORMAT, "version": VERSION})[:-1]
@@ -166,7 +122,7 @@ def write_index(shards: list[str], path: str, threads: int = FOOTER_THREADS) -> 
     temporary = f"{path}.tmp-{os.getpid()}"
     with fsspec.open(temporary, "w", encoding="utf-8") as f:
         f.write(text)
-    index_fs.mv(_where(temporary)[1], _where(path)[1])
+    index_fs.mv(locate(temporary)[1], locate(path)[1])
     return {"format": FORMAT, "version": VERSION, "shards": entries}
 
 
@@ -183,8 +139,10 @@ def _check_entry(where: str, entry: object) -> None:
         if not isinstance(entry["error"], str) or set(entry) != {"path", "bytes", "error"}:
             raise BadIndexError(f"{where}: an unreadable shard's entry holds path, bytes and an error string only")
         return
-    if set(entry) != {"path", "bytes", "row_groups", "columns"}:
-        raise BadIndexError(f"{where}: keys {sorted(entry)}, not path, bytes, row_groups, columns")
+    if set(entry) - {"footer"} != {"path", "bytes", "row_groups", "columns"}:
+        raise BadIndexError(f"{where}: keys {sorted(entry)}, not path, bytes, row_groups, columns (and footer)")
+    if "footer" in entry and not is_footer_digest(entry["footer"]):
+        raise BadIndexError(f"{where}.footer: {entry['footer']!r} is not a footer digest (32 lowercase hex digits)")
     groups = entry["row_groups"]
     if not isinstance(groups, list) or not all(type(n) is int and n >= 0 for n in groups):
         raise BadIndexError(f"{where}.row_groups: {groups!r} is not a list of non-negative integers")
@@ -223,16 +181,10 @@ def read_index(path: str) -> dict[str, Any]:
 # -- start-up -----------------------------------------------------------------------------------
 
 
-def _url(fs: Any, bare: str) -> str:
-    """A protocol-less path as a URL fsspec opens (plain for local files)."""
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
-    return bare if "file" in protocols else fs.unstrip_protocol(bare)
-
-
 def _indexed_entries(places: dict[str, Place], sizes: dict[str, int], index: str) -> dict[str, dict[str, Any]]:
     """The index entry of each shard an index covers, with the index's URL under "index". `index` names
     one file; "" means `_index.json` in each shard's folder, where that folder's listing holds one."""
-    named = _where(index) if index else None
+    named = locate(index) if index else None
     files: dict[str, dict[str, dict[str, Any]]] = {}  # index URL -> its entries by relative path
     local: dict[str, str] = {}  # folder -> the URL of its index, "" without one
     found: dict[str, dict[str, Any]] = {}
@@ -244,7 +196,7 @@ def _indexed_entries(places: dict[str, Place], sizes: dict[str, int], index: str
         else:
             if folder not in local:
                 candidate = posixpath.join(folder, INDEX_NAME)
-                local[folder] = _url(fs, candidate) if candidate in sizes else ""
+                local[folder] = to_url(fs, candidate) if candidate in sizes else ""
             url, base = local[folder], folder
             if not url:
                 continue
@@ -268,14 +220,15 @@ def shard_infos(
     threads: int = FOOTER_THREADS,
 ) -> dict[str, ShardInfo]:
     """What `shard_info` gives for each usable shard (in the order given), from the index where it covers
-    a shard of unchanged size, else from its footer; bad shards raise or are skipped as in `check_shards`.
+    a shard of unchanged size with its footer digest, else from its footer; bad shards raise or are
+    skipped as in `check_shards`.
 
     `index`: "" finds `_index.json` in each shard's folder, a path names one index, None reads every footer."""
     entries: dict[str, dict[str, Any]] = {}
     sizes: dict[str, int] = {}
-    places = _places(shards) if index is not None else {}
+    places = locate_all(shards) if index is not None else {}
     if index is not None:
-        sizes = _listings(places, threads)
+        sizes = folder_sizes(places, threads)
         entries = _indexed_entries(places, sizes, index)
     missing = len(shards) - len(entries)
     stale = []
@@ -293,6 +246,15 @@ def shard_infos(
         )
     if missing and len(entries) + len(stale):
         logger.info(f"[data] {missing} of {len(shards)} shards not in a shard index: reading their footers")
+    undigested = [shard for shard, entry in entries.items() if "footer" not in entry and "error" not in entry]
+    if undigested:
+        logger.info(
+            f"[data] the shard index records no footer digest for {len(undigested)} shards (written before they "
+            f"were recorded, e.g. {entries[undigested[0]]['index']}): reading their footers; rebuilding it "
+            "(python -m data.index FOLDER) makes start-up read no footers"
+        )
+    for shard in undigested:
+        del entries[shard]
     unread = [shard for shard in shards if shard not in entries]
     footers = dict(zip(unread, read_footers(unread, threads), strict=True))
     infos: dict[str, ShardInfo] = {}
@@ -305,13 +267,13 @@ def shard_infos(
                 if "error" in entry:
                     raise BadShardError(f"{shard}: {entry['error']} (recorded in {entry['index']})")
                 check_columns(shard, map(tuple, entry["columns"]), text_column, source_column)
-                infos[shard] = ShardInfo(shard, tuple(entry["row_groups"]))
+                infos[shard] = ShardInfo(shard, tuple(entry["row_groups"]), entry["bytes"], entry["footer"])
             else:
                 footer = footers[shard]
                 if isinstance(footer, BadShardError):
                     raise footer
                 check_columns(shard, footer.columns, text_column, source_column)
-                infos[shard] = ShardInfo(shard, footer.row_groups)
+                infos[shard] = ShardInfo(shard, footer.row_groups, footer.size, footer.digest)
         except BadShardError as e:
             problem = e
         problems.append(problem)
@@ -320,13 +282,13 @@ def shard_infos(
 
 
 def infos_to_json(infos: dict[str, ShardInfo]) -> dict[str, Any]:
-    """Shard infos as JSON-ready data (for a broadcast): {"shards": [[path, [rows, ...]], ...]}."""
-    return {"shards": [[info.path, list(info.row_groups)] for info in infos.values()]}
+    """Shard infos as JSON-ready data (for a broadcast): {"shards": [[path, [rows, ...], size, footer], ...]}."""
+    return {"shards": [[info.path, list(info.row_groups), info.size, info.footer] for info in infos.values()]}
 
 
 def infos_from_json(data: dict[str, Any]) -> dict[str, ShardInfo]:
     """The inverse of `infos_to_json`, on every rank."""
-    return {path: ShardInfo(path, tuple(groups)) for path, groups in data["shards"]}
+    return {path: ShardInfo(path, tuple(groups), size, footer) for path, groups, size, footer in data["shards"]}
 
 
 # -- sharing rank 0's answer --------------------------------------------------------------------
@@ -404,8 +366,8 @@ def startup_shards(
     index: str | None = "",
     channel: Channel | None = None,
 ) -> dict[str, ShardInfo]:
-    """The usable shards and their row groups, listed and checked on rank 0 alone and shared with every
-    rank: what a loader needs at start-up, in a few requests where an index covers the corpus."""
+    """The usable shards, their row groups, sizes and footer digests, listed and checked on rank 0 alone and
+    shared with every rank: what a loader needs at start-up, in a few requests where an index covers the corpus."""
 
     def compute() -> dict[str, Any]:
         shards = list_shards(paths, manifest)

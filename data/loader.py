@@ -29,6 +29,7 @@ from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 from torchtitan.config import JobConfig
 
 from data.config import DataConfig
+from data.contents import contents_digest
 from data.index import startup_shards
 from data.mixture import (
     MixedStream,
@@ -197,6 +198,17 @@ class ParquetDataLoader(BaseDataLoader):
                 raise ValueError(f"dataloader.{key}: missing from the checkpoint (was num_streams changed?)")
             states[s] = mixed_state_from_json(f"dataloader.{key}", state_dict[key], self.names)
         self.batches, self.states = batches, states
+
+    def contents(self) -> dict[str, str] | None:
+        """Each source's content digest (shard sizes and footers: data/contents.py), from the start-up
+        check; None without it (`check_shards = false` reads no shard at start-up)."""
+        if not all(path in self.infos for paths in self.shards.values() for path in paths):
+            return None
+        return {name: contents_digest(self.infos[path] for path in paths) for name, paths in self.shards.items()}
+
+    def exhausted(self) -> list[str]:
+        """The mixture sources that one of this rank's streams has read to its end (begun a next epoch)."""
+        return [name for name in self.names if any(st["sources"][name]["epoch"] for st in self.states.values())]
 
     def counters(self) -> dict[str, int]:
         """This rank's cumulative counters: documents, tokens per source-column tag (`tokens/<tag>`), and per

@@ -16,8 +16,10 @@ bytes of text and estimated tokens per source, shards, row groups, and the rows 
 input file and reason with their first locations. Bad rows (invalid JSON, not an object, missing or
 non-string text, invalid UTF-8) fail the run when more than `--max-bad-fraction` of all rows read;
 empty documents and blank lines are counted, never bad. The output is built in a hidden folder
-beside OUT_DIR and renamed into place when complete, so an interrupted run leaves no partial shard
-under OUT_DIR. Memory: one row group of documents, plus the token sample (a few MB per source).
+beside OUT_DIR (`.NAME.partial-PID@HOST`) and renamed into place when complete, so an interrupted run
+leaves no partial shard under OUT_DIR; the next run to the same OUT_DIR removes such folders left by
+processes of this host that are gone (a killed run) and mentions those of another host.
+Memory: one row group of documents, plus the token sample (a few MB per source).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
 from data.index import INDEX_NAME, write_index
+from data.partial import clean_stale as clean_stale_siblings
+from data.partial import sibling
 from data.prepare_report import FileStats, Sample, bad_rows_problem, describe, make_summary
 from data.readers import TEXT_MODES, Input, InputError, Skip, discover, read_rows
 
@@ -172,10 +176,25 @@ def check_out_dir(out: Path, overwrite: bool, inputs: list[str]) -> None:
             raise PrepareError(f"{out}: inside the input folder {arg}; a later run would read its shards as input")
 
 
+def clean_stale(out: Path) -> None:
+    """Remove the temporary folders (`partial`: an output being built; `old`: the output it replaced) of
+    runs to `out` whose process on this host is gone, saying so (data/partial.py). An `old` folder is
+    kept while `out` is missing: it may hold the only copy of the previous output."""
+
+    def keep(kind: str) -> str | None:
+        return (
+            f"the earlier output, moved aside before {out} was replaced" if kind == "old" and not out.exists() else None
+        )
+
+    clean_stale_siblings(
+        str(out), ("partial", "old"), "python -m data.prepare", lambda line: print(line, file=sys.stderr), keep
+    )
+
+
 def commit(partial: Path, out: Path) -> None:
     """Put the finished folder in place: the old output (if any) moves aside first, then goes."""
     if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        old = Path(sibling(str(out), "old"))
         os.rename(out, old)
         os.rename(partial, out)
         shutil.rmtree(old)
@@ -263,6 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     inputs, ignored = discover(args.inputs, args.source)
     out: Path = args.out_dir
     check_out_dir(out, args.overwrite, args.inputs)
+    clean_stale(out)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     documents = 0
     if args.shards:  # the counting pass: also fails on bad rows before anything is written
@@ -271,7 +291,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise PrepareError(problem)
         documents = sum(st.documents for st in counted)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    partial = Path(sibling(str(out), "partial"))
     os.mkdir(partial)
     try:
         writer = ShardWriter(partial, shard_sizes(args, documents), args.row_group_docs)

@@ -5,16 +5,23 @@ shard is never held in memory whole. Text columns may be any Arrow string type
 (string, large_string, string_view, dictionary-encoded strings) or of type null
 (every document missing); their bytes are checked to be UTF-8, since a parquet
 writer may store them unvalidated.
+
+A shard's identity is its size in bytes and a digest of its footer (the serialized FileMetaData, its
+length and magic: the file's last bytes). The footer holds every column chunk's offsets and sizes and
+the row groups' statistics, so a shard rewritten with other documents has another footer in practice;
+both come from the one ranged read of the file's end that parsing the footer costs anyway.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import IO, Any
 
 import fsspec
 import pyarrow as pa
@@ -83,8 +90,12 @@ def is_text_type_name(name: str) -> bool:
 
 @dataclass(frozen=True)
 class ShardInfo:
+    """What start-up knows of a usable shard: its row groups, and its size and footer digest (its identity)."""
+
     path: str
     row_groups: tuple[int, ...]  # rows per row group
+    size: int  # bytes
+    footer: str  # footer_digest of the shard's footer (hex)
 
 
 @dataclass(frozen=True)
@@ -93,18 +104,89 @@ class Footer:
 
     row_groups: tuple[int, ...]  # rows per row group
     columns: tuple[tuple[str, str], ...]  # (name, Arrow type as str()) in schema order
+    size: int  # the file's size in bytes
+    digest: str  # footer_digest of the footer
+
+
+FOOTER_READ = 64 * 1024  # what pyarrow reads first from a file's end: one ranged read holds most footers
+FOOTER_DIGEST_CHARS = 32  # hex characters of a footer digest (blake2b, 16 bytes)
+_HEX = re.compile(f"[0-9a-f]{{{FOOTER_DIGEST_CHARS}}}")
+
+
+def footer_digest(tail: bytes) -> str:
+    """The digest of a footer: blake2b (16 bytes, hex) of the FileMetaData, its 4-byte length and "PAR1"."""
+    return hashlib.blake2b(tail, digest_size=16).hexdigest()
+
+
+def is_footer_digest(value: object) -> bool:
+    """Whether `value` looks like what `footer_digest` returns (the index checks its entries with it)."""
+    return isinstance(value, str) and _HEX.fullmatch(value) is not None
+
+
+class _Tail:
+    """A file's last bytes, read once, standing for the whole file: pyarrow parses the footer from memory.
+
+    A read before them (a footer pyarrow wants more of than was read) goes to the real file."""
+
+    def __init__(self, handle: Any, size: int, start: int, data: bytes):
+        self.handle, self.size, self.start, self.data, self.pos = handle, size, start, data, 0
+        self.closed = False
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self.pos = offset + {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.size}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.size - self.pos if n < 0 else min(n, self.size - self.pos)
+        if self.pos >= self.start:
+            out = self.data[self.pos - self.start : self.pos - self.start + n]
+        else:
+            self.handle.seek(self.pos)
+            out = self.handle.read(n)
+        self.pos += len(out)
+        return out
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+
+def _read_tail(f: IO[bytes]) -> _Tail:
+    """The file's size and its last bytes, the whole footer among them where the file ends as parquet does."""
+    f.seek(0, os.SEEK_END)
+    size = f.tell()
+    start = max(0, size - FOOTER_READ)
+    f.seek(start)
+    data = f.read(size - start)
+    need = int.from_bytes(data[-8:-4], "little") + 8 if len(data) >= 8 and data[-4:] == b"PAR1" else 0
+    if len(data) < need <= size:  # a footer over 64 KiB (a longer one than the file is pyarrow's error)
+        f.seek(size - need)
+        data = f.read(need - len(data)) + data
+        start = size - need
+    if len(data) != size - start:
+        raise OSError(f"read {len(data)} of the last {size - start} bytes")
+    return _Tail(f, size, start, data)
 
 
 def read_footer(path: str) -> Footer:
-    """Row-group sizes and Arrow columns of one shard; an unreadable file is a BadShardError naming it."""
+    """Row-group sizes, Arrow columns, size and footer digest of one shard, from one read of its end where
+    the footer fits in 64 KiB; an unreadable file is a BadShardError naming it."""
     try:
         with fsspec.open(path, "rb") as f:
-            parquet = pq.ParquetFile(f)
+            tail = _read_tail(f)
+            parquet = pq.ParquetFile(tail)
             meta, schema = parquet.metadata, parquet.schema_arrow
     except Exception as e:  # pyarrow raises several types for unreadable files
         raise BadShardError(f"{path}: unreadable parquet ({type(e).__name__}: {e})") from e
+    length = int.from_bytes(tail.data[-8:-4], "little")  # pyarrow checked the magic and length
     row_groups = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
-    return Footer(row_groups, tuple((field.name, str(field.type)) for field in schema))
+    columns = tuple((field.name, str(field.type)) for field in schema)
+    return Footer(row_groups, columns, tail.size, footer_digest(tail.data[-(length + 8) :]))
 
 
 def check_columns(path: str, columns: Iterable[tuple[str, str]], text_column: str, source_column: str = "") -> None:
@@ -120,10 +202,11 @@ def check_columns(path: str, columns: Iterable[tuple[str, str]], text_column: st
 
 
 def shard_info(path: str, text_column: str, source_column: str = "") -> ShardInfo:
-    """Row-group sizes after checking the schema; a BadShardError names the file and what is wrong."""
+    """Row-group sizes, size and footer digest after checking the schema; a BadShardError names the file and
+    what is wrong."""
     footer = read_footer(path)
     check_columns(path, footer.columns, text_column, source_column)
-    return ShardInfo(path, footer.row_groups)
+    return ShardInfo(path, footer.row_groups, footer.size, footer.digest)
 
 
 def settle_bad_shards(shards: list[str], problems: list[BadShardError | None], on_bad_shard: str) -> list[str]:

@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# launch/torchrun.sh [--nproc N] [--nnodes N --rdzv-endpoint HOST:PORT [--rdzv-id ID]] [--dry-run|--print-dump-folder]
-#                    CONFIG [--section.key value ...]
+# launch/torchrun.sh [--nproc N] [--nnodes N --rdzv-endpoint HOST:PORT [--rdzv-id ID]] [--launch-id ID]
+#                    [--dry-run|--print-dump-folder] CONFIG [--section.key value ...]
 # N processes per node (default: the visible GPUs, or 2 CPU processes without one); one node unless --nnodes > 1.
 # Overrides go to the TOML (e.g. --training.steps 100). SIGTERM/SIGUSR1 -> <dump_folder>/STOP; exit 75 = requeue.
 #
 # One node runs torchrun --standalone; with --nnodes > 1 every node runs this script with the same
 # --rdzv-endpoint (a host of the allocation, any free port) and --rdzv-id, and torchrun meets over c10d.
 #
-# Preemption: the script runs torchrun in the background. On SIGTERM or SIGUSR1 it touches
-# <dump_folder>/STOP, so the trainer checkpoints at the next step boundary, writes
+# Preemption: the script runs torchrun in the background. On SIGTERM or SIGUSR1 it writes its launch id
+# into <dump_folder>/STOP, so the trainer checkpoints at the next step boundary, writes
 # <dump_folder>/preempted.json and exits; the script then exits 75 (requeue) when that marker is
 # new since the launch, else with torchrun's own exit code. Ctrl-C reaches torchrun directly,
 # as before. The dump folder is --job.dump_folder from the overrides, else [job] dump_folder from
 # CONFIG, else torchtitan's default ./outputs; relative to the current directory (the repo root).
+# The launch id (MHAR_LAUNCH_ID in the workers' environment) is --launch-id (slurm.sbatch passes one per
+# job run, the same on every node), else made here (from the rendezvous with --nnodes > 1, so that every
+# node has the same): the trainer obeys a STOP that carries it, even one written before it started, and
+# removes a STOP that carries another (left by an earlier job).
 #
 # --dry-run prints the torchrun command on stdout (and the dump folder on stderr) and runs nothing;
 # --print-dump-folder prints the dump folder only. The interpreter: $PYTHON if set, else the
@@ -26,22 +30,24 @@ die() { echo "$me: $*" >&2; exit 2; }
 need_value() { [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || die "$1 needs a value"; }
 positive_int() { [[ "$2" =~ ^[1-9][0-9]*$ ]] || die "$1 must be a positive integer, got '$2'"; }
 
-nproc="" nnodes=1 rdzv_endpoint="" rdzv_id="" dry_run=0 print_dump=0
+nproc="" nnodes=1 rdzv_endpoint="" rdzv_id="" launch_id="" dry_run=0 print_dump=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --nproc|--nnodes|--rdzv-endpoint|--rdzv-id)
+    --nproc|--nnodes|--rdzv-endpoint|--rdzv-id|--launch-id)
       need_value "$@"
       case "$1" in
         --nproc) nproc="$2" ;;
         --nnodes) nnodes="$2" ;;
         --rdzv-endpoint) rdzv_endpoint="$2" ;;
         --rdzv-id) rdzv_id="$2" ;;
+        --launch-id) launch_id="$2" ;;
       esac
       shift 2 ;;
     --nproc=*) nproc="${1#*=}"; shift ;;
     --nnodes=*) nnodes="${1#*=}"; shift ;;
     --rdzv-endpoint=*) rdzv_endpoint="${1#*=}"; shift ;;
     --rdzv-id=*) rdzv_id="${1#*=}"; shift ;;
+    --launch-id=*) launch_id="${1#*=}"; shift ;;
     --dry-run) dry_run=1; shift ;;
     --print-dump-folder) print_dump=1; shift ;;
     -h|--help) usage 0 ;;
@@ -53,6 +59,8 @@ config="$1"; shift
 [[ -f "$config" ]] || die "config file not found: $config"
 [[ -z "$nproc" ]] || positive_int --nproc "$nproc"
 positive_int --nnodes "$nnodes"
+[[ -z "$launch_id" || "$launch_id" =~ ^[A-Za-z0-9._:-]+$ ]] \
+  || die "--launch-id must be letters, digits, '.', '_', ':' or '-', got '$launch_id'"
 if [[ $nnodes -gt 1 ]]; then
   [[ -n "$rdzv_endpoint" ]] || die "--nnodes $nnodes needs --rdzv-endpoint HOST:PORT (the same on every node)"
   [[ "$rdzv_endpoint" =~ ^[^:[:space:]]+:[0-9]+$ ]] || die "--rdzv-endpoint must be HOST:PORT, got '$rdzv_endpoint'"
@@ -125,12 +133,18 @@ sum=$(printf '%s' "$abs_dump" | cksum) && sum="${sum%% *}"
 export WANDB_RUN_NAME="${WANDB_RUN_NAME:-$run_name}"
 export WANDB_RUN_ID="${WANDB_RUN_ID:-${run_name//[^A-Za-z0-9_-]/_}-$sum}"
 export WANDB_RESUME="${WANDB_RESUME:-allow}"
+if [[ -z "$launch_id" && $nnodes -gt 1 ]]; then
+  launch_id="rdzv-${rdzv_id:-0}-$rdzv_endpoint"  # the same on every node: any node's launcher may write STOP
+fi
+launch_id="${launch_id:-$(hostname)-$$-$(date +%s)}"
+export MHAR_LAUNCH_ID="$launch_id"
 
 if [[ $dry_run -eq 1 ]]; then
   printf '%q ' "${cmd[@]}"; echo
   echo "# dump_folder: $dump" >&2
   echo "# W&B, if enabled: project $WANDB_PROJECT, group ${WANDB_RUN_GROUP:-(none)}, run $WANDB_RUN_NAME, id $WANDB_RUN_ID" >&2
-  echo "# on SIGTERM/SIGUSR1: touch $dump/STOP; exit $REQUEUE_EXIT_CODE if $dump/preempted.json is new, else torchrun's code" >&2
+  echo "# launch id: $launch_id" >&2
+  echo "# on SIGTERM/SIGUSR1: write the launch id to $dump/STOP; exit $REQUEUE_EXIT_CODE if $dump/preempted.json is new, else torchrun's code" >&2
   exit 0
 fi
 
@@ -140,17 +154,13 @@ marker_id() { stat -c '%i %y %s' "$marker" 2>/dev/null || echo none; }
 marker_before=$(marker_id)
 marker_is_new() { [[ -f "$marker" && "$(marker_id)" != "$marker_before" ]]; }
 
-# A STOP left over from a run killed before the trainer saw it would stop this one at once. (With
-# several nodes the batch script clears it, once, before the nodes start.)
-if [[ $nnodes -eq 1 && -e "$dump/STOP" ]]; then
-  echo "$me: removing a stale $dump/STOP" >&2
-  rm -f "$dump/STOP"
-fi
-
+# A STOP left in the folder is not removed here: the trainer, once it holds the run folder's lock,
+# removes one written by another launch and obeys one written by this one.
 # shellcheck disable=SC2329  # called from the traps below
 request_stop() {
   echo "$me: got SIG$1; asking the trainer to checkpoint and stop ($dump/STOP)" >&2
-  mkdir -p "$dump" && touch "$dump/STOP" || echo "$me: could not create $dump/STOP" >&2
+  { mkdir -p "$dump" && printf '%s\n' "$launch_id" >"$dump/.STOP.$$" && mv -f "$dump/.STOP.$$" "$dump/STOP"; } \
+    || echo "$me: could not write $dump/STOP" >&2
 }
 trap 'request_stop TERM' TERM
 trap 'request_stop USR1' USR1

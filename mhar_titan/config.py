@@ -11,11 +11,24 @@ from torchtitan.config import JobConfig as TitanJobConfig
 
 from data.config import DataConfig
 from mhar_titan.components import fingerprint
+from mhar_titan.config_check import check_config_file
 from mhar_titan.model.args import MHAR
 
 MODEL_NAME = "llama3_mhar"
 CONFIG_MODULE = "mhar_titan.config"
 _CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-module")
+
+
+@dataclass
+class Job:
+    """Additions to torchtitan's `[job]`: one job per run folder (mhar_titan/components/run_lock.py)."""
+
+    run_lock_stale_s: float = 300.0
+    """A run lock (<dump_folder>/run.lock) whose heartbeat is older than this many seconds belongs to a job
+    that is gone (a killed job on another host) and is taken over; a live job refreshes it every tenth."""
+    run_lock_wait_s: float = 900.0
+    """A requeued SLURM job whose earlier run still holds the lock (still writing its last checkpoint) waits
+    this many seconds for it; any other job on a locked folder is refused at once."""
 
 
 @dataclass
@@ -63,8 +76,10 @@ class Checkpoint:
     keep_every: int = 0
     """Besides the last keep_latest_k, keep every checkpoint whose step is a multiple of this (0: none)."""
     allow_changes: list[str] = field(default_factory=list)
-    """Fingerprint groups a resume may change on purpose: base, data, schedule (logged and recorded in
-    fingerprint.json). Empty: a resume whose settings differ from the run's is refused."""
+    """Fingerprint groups a resume may change on purpose: base, data, schedule (applied from the first
+    resumed step, logged and recorded in fingerprint.json), or legacy (resume a run folder that has
+    checkpoints but no fingerprint.json; its architecture is still checked where model_args.json has it).
+    Empty: a resume whose settings differ from the run's is refused."""
 
 
 @dataclass
@@ -78,6 +93,7 @@ class Validation:
 
 @dataclass
 class JobConfig:
+    job: Job = field(default_factory=Job)
     mhar: MHAR = field(default_factory=MHAR)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: Optimizer = field(default_factory=Optimizer)
@@ -90,9 +106,12 @@ class JobConfig:
 
 def parse_config(argv: list[str]) -> TitanJobConfig:
     """torchtitan's TOML + CLI parsing, with this project's config sections merged in."""
-    if not any(arg.split("=", 1)[0] in _CONFIG_MODULE_FLAGS for arg in argv):
+    module_by_default = not any(arg.split("=", 1)[0] in _CONFIG_MODULE_FLAGS for arg in argv)
+    if module_by_default:
         argv = [*argv, f"--job.custom_config_module={CONFIG_MODULE}"]
-    config = ConfigManager().parse_args(argv)
+    manager = ConfigManager()
+    check_config_file(argv, manager, module_by_default)  # first: tyro keeps a mistyped TOML value, with a warning
+    config = manager.parse_args(argv)
     if config.model.name != MODEL_NAME:
         raise ValueError(f"[model] name = {config.model.name!r}: train_cpt.py trains {MODEL_NAME!r}")
     if not config.training.max_norm > 0:  # clipping to 0 zeroes every gradient: a run that does not train

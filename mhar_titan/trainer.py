@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -21,15 +22,17 @@ from torchtitan.train import Trainer
 
 from data.loader import gather_counters, mixture_shares, token_shares
 from mhar_titan import cpu
-from mhar_titan.components import fingerprint, run_record
-from mhar_titan.components.checkpoint import CPTCheckpointManager, complete_steps
+from mhar_titan.components import fingerprint, run_checks, run_record
+from mhar_titan.components.checkpoint import CPTCheckpointManager
 from mhar_titan.components.ema import WeightEMA
-from mhar_titan.components.preemption import REQUEUE_EXIT_CODE, Preempted, PreemptionWatch
+from mhar_titan.components.preemption import PreemptionWatch
 from mhar_titan.components.routing_stats import average_routing_stats, name_routing_stats
+from mhar_titan.components.run_lock import LockHeld
 from mhar_titan.components.step_metrics import (
     MemoryPhases,
     StepClock,
     StepReadback,
+    discard_tensorboard_run,
     flush,
     log_scalars,
     one_tensorboard_run,
@@ -39,12 +42,14 @@ from mhar_titan.components.step_metrics import (
 from mhar_titan.components.tensorboard_scalars import PRIMARY_TAGS, set_tags
 from mhar_titan.components.validate import write_validation_batches
 from mhar_titan.config import parse_config
+from mhar_titan.run_folder import RunFolder
 from mhar_titan.train_spec import train_spec
 
 EMA_STATE = "ema"
+REFUSED_EXIT_CODE = 2  # bad input, found before any work
 
 
-class CPTTrainer(Trainer):
+class CPTTrainer(RunFolder, Trainer):
     """torchtitan's Trainer with the recipe's state and checks: weight EMA, fixed-set validation of the
     raw and EMA weights, skipped non-finite steps, and per-step metrics (loss parts, LR of every
     group, data counters, routing statistics) with a readable log line."""
@@ -52,7 +57,17 @@ class CPTTrainer(Trainer):
     def __init__(self, job_config: JobConfig):
         # torchtitan's Trainer builds its checkpointer from this module global.
         titan_train.CheckpointManager = CPTCheckpointManager
-        super().__init__(job_config)
+        try:
+            super().__init__(job_config)
+            self._set_up(job_config)
+            self.changes = self._check_run()  # before anything of the run's is touched
+        except BaseException:
+            if hasattr(self, "metrics_processor"):
+                discard_tensorboard_run(self.metrics_processor)  # no stray tb/<timestamp> of a refused job
+            self.close()
+            raise
+
+    def _set_up(self, job_config: JobConfig) -> None:
         ema = job_config.ema
         self.ema = WeightEMA(self.model_parts[0], ema.beta, ema.every) if ema.enable else None
         if self.ema is not None:
@@ -66,7 +81,7 @@ class CPTTrainer(Trainer):
         self.model_parts[0].register_forward_hook(self._after_forward)
         self.preemption = PreemptionWatch(job_config.job.dump_folder)
         self.stop_reason: str | None = None
-        self.exhausted_sources: list[str] = []  # with [data] on_source_exhausted = "stop": the run ends
+        self.exhausted = False  # with [data] on_source_exhausted = "stop", a source was read to its end
         self._asked: str | None = None
         if torch.distributed.get_rank() == 0:
             self.preemption.clear_stale_marker()
@@ -74,53 +89,10 @@ class CPTTrainer(Trainer):
         self.dp_degree = self._batch_mesh().size() if self.parallel_dims.dp_enabled else 1
         t = job_config.training
         global_batch = t.local_batch_size * self.dp_degree * self.gradient_accumulation_steps
-        self.fingerprint = fingerprint.fingerprint(job_config, self.model_args, self.dataloader.shards, global_batch)
-
-    # -- which run this job continues ---------------------------------------------------------
-
-    def _check_run(self) -> list[str]:
-        """Before any load: the run in dump_folder must be the one this job describes. Returns the lines
-        of the changes [checkpoint] allow_changes permits; raises listing every other difference."""
-        cfg = self.job_config
-        folder = cfg.job.dump_folder
-        steps = complete_steps(self.checkpointer.folder)
-        if not steps:
-            return []
-        if not cfg.checkpoint.enable:
-            raise ValueError(
-                f"{folder} holds checkpoints of a run (steps {steps[0]}..{steps[-1]}); with checkpoint.enable = false "
-                "this job would start from the base and mix its logs and recorded settings with that run's: "
-                "use another dump_folder, or enable checkpointing to resume it"
-            )
-        recorded = fingerprint.read(folder)
-        if recorded is None:
-            recorded = self._legacy_fingerprint(folder)
-        if recorded is None:
-            logger.warning(f"{folder}: no recorded fingerprint (a run from before fingerprints); recording this job's")
-            return []
-        return fingerprint.check(recorded, self.fingerprint, cfg.checkpoint.allow_changes, f"The run in {folder}")
-
-    def _legacy_fingerprint(self, folder: str) -> dict[str, Any] | None:
-        """A run from before fingerprints still has its architecture in model_args.json: compare that."""
-        path = os.path.join(folder, run_record.MODEL_ARGS_FILE)
-        if not os.path.exists(path):
-            return None
-        with open(path) as f:
-            args = json.load(f)["args"]
-        return {**self.fingerprint, "model": fingerprint.model_group(args)}
-
-    def _record_run(self, changes: list[str]) -> None:
-        """After the load was checked: the fingerprint, and the architecture for tools (hf export)."""
-        if changes:
-            allowed = self.job_config.checkpoint.allow_changes
-            logger.warning(
-                f"resuming with changes allowed by checkpoint.allow_changes = {allowed}:"
-                + "".join(f"\n  {line}" for line in changes)
-            )
-        if torch.distributed.get_rank() != 0:
-            return
-        fingerprint.record(self.job_config.job.dump_folder, self.fingerprint, self.step, changes)
-        run_record.record_start(self.job_config, self.model_args, self.step, torch.distributed.get_world_size())
+        self.fingerprint = fingerprint.fingerprint(
+            job_config, self.model_args, self.dataloader.shards, global_batch, self.dataloader.contents()
+        )
+        self.checkpointer.expected_bytes = run_checks.checkpoint_bytes(self.model_parts[0], ema.enable)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -129,12 +101,11 @@ class CPTTrainer(Trainer):
         """Forked from torchtitan 0.2.2 torchtitan/train.py, Trainer.train: the run checks and step-0
         validation before the loop, and preemption, EMA and checkpoint handling inside it."""
         cfg = self.job_config
-        changes = self._check_run()
         self.checkpointer.load(step=cfg.checkpoint.load_step)
         one_tensorboard_run(
             self.metrics_processor, os.path.join(cfg.job.dump_folder, cfg.metrics.save_tb_folder), self.step
         )
-        self._record_run(changes)
+        self._record_run(self.changes)
         if self.ema is not None:
             self.ema.start()  # after the load: a restored EMA stays, otherwise it starts from the loaded weights
         if cfg.validation.enable and cfg.validation.at_start and self.step == 0:
@@ -171,13 +142,9 @@ class CPTTrainer(Trainer):
                     )
                 if self.step < cfg.training.steps and self.stop_reason:
                     self._stop_for_requeue(self.stop_reason)
-                if self.exhausted_sources and self.step < cfg.training.steps:
+                if self.exhausted and self.step < cfg.training.steps:
                     self.checkpointer.save_now(self.step)
-                    logger.warning(
-                        f"step {self.step}: mixture source(s) {', '.join(self.exhausted_sources)} read to their end "
-                        "with [data] on_source_exhausted = 'stop': the run stops here, with a checkpoint"
-                    )
-                    break
+                    raise self._exhausted_exit(sorted(set(sum(_gather(self.dataloader.exhausted()), []))), again=False)
                 if profiler:
                     profiler.step()
                 if memory:
@@ -193,21 +160,6 @@ class CPTTrainer(Trainer):
         if torch.distributed.get_rank() == 0:
             time.sleep(2)
         logger.info("Training completed")
-
-    def _stop_for_requeue(self, reason: str) -> None:
-        if not self.job_config.checkpoint.enable:
-            # A requeued job would start over from the base: stop without asking for a requeue.
-            raise RuntimeError(
-                f"step {self.step}: asked to stop ({reason}); checkpointing is off, so nothing was saved and "
-                "the job is not requeued (it would start over from step 0)"
-            )
-        self.checkpointer.save_now(self.step)
-        if torch.distributed.get_rank() == 0:
-            self.preemption.mark(self.step, reason)
-        logger.warning(
-            f"step {self.step}: preempted ({reason}); checkpoint written; exiting {REQUEUE_EXIT_CODE} to be requeued"
-        )
-        raise Preempted(self.step, reason)
 
     def train_step(self, data_iterator) -> None:
         """Forked from torchtitan 0.2.2 torchtitan/train.py, Trainer.train_step: global token counts, a
@@ -249,8 +201,15 @@ class CPTTrainer(Trainer):
                 opt.found_inf = flags[0]
             self.checkpointer.maybe_wait_for_staging()
             self.optimizers.step()
-        bad_any, stop_any, loss_max, norm, *values = self.readback.read()
+        bad_any, stop_any, loss_max, lost_any, out_any, norm, *values = self.readback.read()
+        if lost_any:
+            raise RuntimeError(
+                f"step {self.step}: {os.path.join(self.job_config.job.dump_folder, 'run.lock')} was taken over by "
+                "another job (this job's heartbeat had stalled past [job] run_lock_stale_s); stopping without "
+                "writing anything more to the run folder"
+            )
         self.stop_reason = (self._asked or "another rank was asked to stop") if stop_any else None
+        self.exhausted = bool(out_any)
         if not bad_any:
             if not self.skip_on_device:
                 self.checkpointer.maybe_wait_for_staging()
@@ -281,11 +240,16 @@ class CPTTrainer(Trainer):
 
     def _agree(self, loss: torch.Tensor, grad_norm: torch.Tensor, own_mean: torch.Tensor) -> torch.Tensor:
         """[any rank's loss or the gradient norm non-finite, any rank asked to stop (a signal, or the
-        STOP file, which rank 0 alone looks for), the largest rank's own mean loss], on the device,
-        by one MAX all-reduce a step; built there (new_full: no host copy, which would wait for the GPU)."""
+        STOP file, which rank 0 alone looks for), the largest rank's own mean loss, the run lock lost
+        (rank 0 holds it), a mixture source read to its end under on_source_exhausted = "stop"], on the
+        device, by one MAX all-reduce a step; built there (new_full: no host copy, which would wait for the GPU)."""
         self._asked = self.preemption.local_request(check_file=torch.distributed.get_rank() == 0)
         bad = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
-        flags = torch.stack([bad.float(), loss.new_full((), float(self._asked is not None)), own_mean.float()])
+        lost = self.run_lock is not None and self.run_lock.lost
+        out = self.job_config.data.on_source_exhausted == "stop" and bool(self.dataloader.exhausted())
+        host = [float(self._asked is not None), float(lost), float(out)]
+        flag = [loss.new_full((), v) for v in host]
+        flags = torch.stack([bad.float(), flag[0], own_mean.float(), flag[1], flag[2]])
         if torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         return flags
@@ -354,10 +318,6 @@ class CPTTrainer(Trainer):
         counters = gather_counters(self.dataloader)
         metrics = {f"data/{k}": v for k, v in counters.items()}
         metrics.update({**mixture_shares(counters), **token_shares(counters)})
-        if self.job_config.data.on_source_exhausted == "stop":  # the same totals on every rank: all stop at once
-            self.exhausted_sources = [
-                k.split("/")[1] for k, v in counters.items() if k.startswith("mixture/") and k.endswith("/epochs") and v
-            ]
         metrics.update(
             {
                 "train/loss": loss_v,
@@ -419,16 +379,37 @@ class CPTTrainer(Trainer):
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
 
+def _gather(value: Any) -> list[Any]:
+    everyone: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, value)
+    return everyone
+
+
+@contextlib.contextmanager
+def refusals() -> Iterator[None]:
+    """Bad input found before any work (a config value, a run that is not this job's, a locked folder, a
+    checkpoint folder without room): one error line, exit 2, no traceback (MHAR_TRACEBACK=1 shows it)."""
+    try:
+        yield
+    except (ValueError, OSError, LockHeld) as e:
+        if os.environ.get("MHAR_TRACEBACK"):
+            raise
+        logger.error(f"{type(e).__name__}: {e}")
+        raise SystemExit(REFUSED_EXIT_CODE) from None
+
+
 def run(argv: list[str], trainer_cls: type[CPTTrainer] = CPTTrainer) -> None:
     """Parse, train, and tear down, as torchtitan.train.main does for its Trainer."""
     init_logger()
-    config = parse_config(argv)
+    with refusals():
+        config = parse_config(argv)
     spec = train_spec()  # registered here, where torchtitan's Trainer will look it up
     if cpu.should_activate():
         cpu.activate([spec])
     trainer: CPTTrainer | None = None
     try:
-        trainer = trainer_cls(config)
+        with refusals():
+            trainer = trainer_cls(config)
         if config.checkpoint.create_seed_checkpoint:
             if torch.distributed.get_world_size() != 1:
                 raise ValueError("checkpoint.create_seed_checkpoint needs a single process")

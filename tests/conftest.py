@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kernels.triton.launch as rt  # noqa: E402  (after TRITON_INTERPRET is set)
+
+
+@pytest.fixture
+def own_signal_handlers():
+    """PreemptionWatch takes over SIGTERM/SIGUSR1: give pytest's back afterwards."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
 
 
 @pytest.fixture

@@ -4,8 +4,6 @@ import queue
 import signal
 from types import SimpleNamespace
 
-import pytest
-
 from mhar_titan.components import checkpoint
 from mhar_titan.components.checkpoint import CPTCheckpointManager, complete_steps
 
@@ -33,17 +31,6 @@ def test_purge_keeps_the_last_k_complete_and_every_mth_and_drops_unfinished_writ
         purged.append(int(manager.purge_queue.get().rsplit("step-", 1)[1]))
     # kept: 16, 18, 20 (last 3), 8 and 16 (every 8th), and 23 (newer than any complete one: maybe being written)
     assert sorted(purged) == [2, 4, 6, 7, 10, 12, 14]
-
-
-@pytest.fixture
-def own_signal_handlers():
-    """PreemptionWatch takes over SIGTERM/SIGUSR1: give pytest's back afterwards."""
-    from mhar_titan.components.preemption import SIGNALS
-
-    saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
 def test_a_stop_file_from_an_earlier_job_is_removed_and_a_new_one_kept(tmp_path, own_signal_handlers):
@@ -77,3 +64,23 @@ def test_sigusr1_to_a_worker_is_a_stop_request(tmp_path, own_signal_handlers):
     assert watch.local_request() is None
     os.kill(os.getpid(), signal.SIGUSR1)
     assert watch.local_request() == "SIGUSR1"
+
+
+def test_purge_leaves_a_symlinked_step_folder_and_its_target_alone_and_says_so(tmp_path, monkeypatch, caplog):
+    folder, archive = tmp_path / "checkpoint", tmp_path / "archive"
+    folder.mkdir()
+    archive.mkdir()
+    make_folder(folder, complete=[4, 6, 8], partial=[])
+    make_folder(archive, complete=[2], partial=[])
+    (folder / "step-2").symlink_to(archive / "step-2")  # moved to other storage by hand
+    manager = CPTCheckpointManager.__new__(CPTCheckpointManager)
+    manager.folder, manager.keep_latest_k, manager.keep_every = str(folder), 2, 0
+    manager.purge_queue, manager._told_links = queue.Queue(), set()
+    monkeypatch.setattr(checkpoint, "dist", SimpleNamespace(get_rank=lambda: 0))
+    with caplog.at_level("INFO"):
+        manager._purge_stale_checkpoints()
+        manager._purge_stale_checkpoints()
+    purged = [manager.purge_queue.get() for _ in range(manager.purge_queue.qsize())]
+    assert purged == [str(folder / "step-4")] * 2  # never step-2, which torchtitan would log as deleted
+    told = [r.message for r in caplog.records if "symbolic link" in r.message]
+    assert told == [f"{folder / 'step-2'} is a symbolic link (to {archive / 'step-2'}): retention leaves it alone"]

@@ -7,6 +7,7 @@ import logging
 import random
 import re
 import shutil
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -169,6 +170,7 @@ def test_a_changed_mixture_is_a_fingerprint_difference_and_its_state_is_carried_
     class Job:  # the fields data_group reads
         def __init__(self, data):
             self.data = data
+            self.training = SimpleNamespace(local_batch_size=4)
 
     old = fingerprint.data_group(Job(before), source_shards(before))
     new = fingerprint.data_group(Job(after), source_shards(after))
@@ -220,20 +222,27 @@ def test_named_validation_sets_paths_and_held_out_per_source(sources, tmp_path):
         parse_validation_sets(DataConfig(mixture=cfg.mixture, validation_sets=["v:heldout=web"]))
 
 
-def test_a_run_whose_source_runs_out_under_stop_ends_on_every_rank_with_a_checkpoint(tmp_path):
+def test_a_run_whose_source_runs_out_under_stop_ends_short_with_a_checkpoint_and_every_relaunch_at_once(tmp_path):
     tiny = write_source(tmp_path / "tiny", "tiny", 2)
     run = tmp_path / "run"
     mixture = ("--data.mixture", f"docstrings=0.5:assets/tiny/corpus,tiny=0.5:{tiny}")  # torchtitan: a,b
     args = ("--data.validation_sets", "docstrings:heldout=docstrings", "--validation.no-enable")
     args += ("--data.on_source_exhausted", "stop", "--training.steps", "30", "--checkpoint.interval", "50")
-    proc = torchrun(run, *mixture, *args)
+    proc = torchrun(run, *mixture, *args, check=False)
     log = proc.stdout + proc.stderr
-    stopped = re.search(r"step (\d+): mixture source\(s\) tiny read to their end", log)
+    assert proc.returncode != 0 and "Training completed" not in log  # not a finished run: not requeued either
+    stopped = re.search(
+        r"source\(s\) tiny read to their end .* the run stops at step (\d+) of 30, with a checkpoint", log
+    )
     assert stopped and int(stopped.group(1)) < 30, log[-3000:]
     step = int(stopped.group(1))
     assert (run / "checkpoint" / f"step-{step}" / ".metadata").is_file()
     assert log.count("read to their end with [data] on_source_exhausted = 'stop'") == 2  # both ranks, same step
     assert f"step {step + 1}/30" not in log
+    again = torchrun(run, *mixture, *args, check=False)  # a relaunch stops before training a step
+    log = again.stdout + again.stderr
+    assert again.returncode != 0 and f"the run stopped at step {step} of 30, before training any step" in log
+    assert f"step {step + 1}/30" not in log and "Training starts" not in log
 
 
 def test_with_the_start_up_check_no_stream_reads_a_footer(sources, monkeypatch):

@@ -6,13 +6,10 @@ import json
 import os
 
 import pytest
-from conftest import REPO
-from tiny_runs import write_tiny_run
+from tiny_runs import write_tiny_pair
 
 from mhar_titan.eval import pair as pair_eval
 from mhar_titan.eval.tasks import TASK, cloze_items
-from mhar_titan.hf.export import init_hf
-from mhar_titan.model.args import MHAR
 
 STEP, LIMIT = 4, 16
 
@@ -20,12 +17,7 @@ STEP, LIMIT = 4, 16
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("pair")
-    base = root / "base"
-    init_hf(str(base), "tiny", tokenizer_dir=str(REPO / "assets" / "tiny"), seed=0)
-    write_tiny_run(root / "control", base, MHAR(enable=False), seed=1, step=STEP)
-    write_tiny_run(
-        root / "mhar", base, MHAR(enable=True, num_heads=8, num_blocks=2, backend="torch"), seed=1, step=STEP
-    )
+    write_tiny_pair(root, STEP)
     return root
 
 

@@ -33,6 +33,7 @@ for a in "$@"; do [[ "$prev" != --job.dump_folder ]] || dump="$a"; prev="$a"; do
 mkdir -p "$dump"
 touch "$dump/launched"
 env | grep '^WANDB_' | sort > "$dump/wandb_env" || true
+printf '%s\n' "${{MHAR_LAUNCH_ID:-}}" > "$dump/launch_id"
 case "$FAKE_MODE" in
   wait_stop)
     for _ in $(seq 400); do [[ -f "$dump/STOP" ]] && break; sleep 0.05; done
@@ -178,7 +179,8 @@ def test_signal_becomes_stop_file_and_exit_75(tmp_path, fake_python, sig):
     env = {**os.environ, "PYTHON": fake_python, "FAKE_MODE": "wait_stop"}
     cmd = [SCRIPT, "--nproc", "1", CONTROL, "--job.dump_folder", str(dump)]
     proc, err = signal_once_launched(cmd, env, dump, sig)
-    assert (dump / "STOP").exists()
+    launch_id = (dump / "launch_id").read_text().strip()
+    assert launch_id and (dump / "STOP").read_text() == launch_id + "\n"  # the trainer obeys it, even before it starts
     assert (dump / "preempted.json").exists()
     assert proc.returncode == 75, err
     assert f"got SIG{sig.name[3:]}" in err
@@ -196,7 +198,9 @@ def test_stale_marker_does_not_count(tmp_path, fake_python, mode, code):
     proc = launch_fake(dump, fake_python, mode)
     assert proc.returncode == code, proc.stderr
     assert (dump / "launched").exists()
-    assert not (dump / "STOP").exists()
+    # left for the trainer, which judges it by the launch id written in it once it holds the run lock: a
+    # launcher that removed it could cancel the stop of a live job in the same folder
+    assert (dump / "STOP").exists()
 
 
 def test_new_marker_without_signal_exits_75(tmp_path, fake_python):
@@ -270,6 +274,8 @@ def test_sbatch_dry_run_under_a_fake_allocation(fake_slurm, how):
         "gpu07:24242",
         "--rdzv-id",
         "4242",
+        "--launch-id",
+        "slurm-4242-0",  # this run of the job: a requeued run has another SLURM_RESTART_COUNT
         "--nproc",
         "8",
         CONTROL,
@@ -277,7 +283,9 @@ def test_sbatch_dry_run_under_a_fake_allocation(fake_slurm, how):
         "3",
     ]
     # torchrun.sh turns that into a c10d rendezvous
-    inner = run(SCRIPT, "--dry-run", *out[i + 1 :]).stdout.split()
+    inner_run = run(SCRIPT, "--dry-run", *out[i + 1 :])
+    inner = inner_run.stdout.split()
+    assert "# launch id: slurm-4242-0" in inner_run.stderr  # what the workers get as MHAR_LAUNCH_ID
     assert "--rdzv-backend=c10d" in inner and "--standalone" not in inner
     assert "--rdzv-endpoint=gpu07:24242" in inner and "--nnodes=2" in inner and "--nproc-per-node=8" in inner
     assert "scontrol requeue 4242" in proc.stderr
@@ -443,6 +451,7 @@ def test_sbatch_signal_stops_the_trainer(tmp_path, fake_slurm, fake_python, sig,
     env = {**fake_slurm, "PYTHON": fake_python, "FAKE_MODE": "wait_stop"}
     cmd = [SBATCH, CONTROL, "--job.dump_folder", str(dump)]
     proc, err = signal_once_launched(cmd, env, dump, sig)
-    assert (dump / "STOP").exists()
+    launch_id = (dump / "launch_id").read_text().strip()
+    assert launch_id and (dump / "STOP").read_text() == launch_id + "\n"  # the trainer obeys it, even before it starts
     assert proc.returncode == 75, err
     assert (tmp_path / "requeued").exists() == requeued, err

@@ -8,7 +8,9 @@ import json
 
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import REPO
 
+from mhar_titan.hf.export import init_hf
 from mhar_titan.model.args import FLAVORS, MHAR
 from mhar_titan.model.model import MHARTransformer, build_initialised
 
@@ -43,3 +45,14 @@ def write_tiny_run(run, base, mhar: MHAR, seed: int, step: int) -> None:
     state.update({f"ema.{n}": p.detach() * 0.5 for n, p in model.named_parameters()})
     dcp.save(state, checkpoint_id=str(run / "checkpoint" / f"step-{step}"), no_dist=True)
     (run / "model_args.json").write_text(json.dumps({"hf_assets_path": str(base), "args": dataclasses.asdict(args)}))
+
+
+def write_tiny_pair(root, step: int) -> None:
+    """A pair folder as launch/pair.sh leaves it: a tiny HF base, and control and MHAR (2 blocks, torch
+    routing) runs from it, each with one checkpoint at `step`."""
+    base = root / "base"
+    init_hf(str(base), "tiny", tokenizer_dir=str(REPO / "assets" / "tiny"), seed=0)
+    write_tiny_run(root / "control", base, MHAR(enable=False), seed=1, step=step)
+    write_tiny_run(
+        root / "mhar", base, MHAR(enable=True, num_heads=8, num_blocks=2, backend="torch"), seed=1, step=step
+    )

@@ -32,6 +32,7 @@ from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
 from mhar_titan.components.checksums import verify_share, write_manifest
+from mhar_titan.components.run_checks import save_failure
 from mhar_titan.hf.ledger import build_ledger
 from mhar_titan.model.state_dict_adapter import OUR_ROUTING
 
@@ -122,6 +123,8 @@ class CPTCheckpointManager(CheckpointManager):
         super().__init__(*args, **kwargs)
         cfg = kwargs["checkpoint_config"]
         self.keep_every = getattr(cfg, "keep_every", 0)
+        self.expected_bytes = 0  # one checkpoint's size on disk, set by the trainer: for a full disk's message
+        self._told_links: set[int] = set()
         if not self.enable:
             # torchtitan sets its load policy only with checkpointing on; the base load needs it either way.
             self.folder = os.path.join(kwargs.get("base_folder", ""), cfg.folder)
@@ -212,7 +215,19 @@ class CPTCheckpointManager(CheckpointManager):
         present = [int(m[1]) for name in os.listdir(self.folder) if (m := re.fullmatch(r"step-(\d+)", name))]
         # complete ones beyond the policy, and unfinished writes older than the newest complete one
         for step in sorted(s for s in present if s not in keep and (s in complete or s < newest)):
-            self.purge_queue.put(self._create_checkpoint_id(step))
+            path = self._create_checkpoint_id(step)
+            if os.path.islink(path):  # placed by hand (moved to other storage): neither the link nor its target
+                if step not in self._told_links:
+                    self._told_links.add(step)
+                    logger.info(f"{path} is a symbolic link (to {os.readlink(path)}): retention leaves it alone")
+                continue
+            self.purge_queue.put(path)
+
+    def save(self, curr_step: int, last_step: bool = False) -> None:
+        """torchtitan's, then retention after a last-step save too (torchtitan's returns before it)."""
+        super().save(curr_step, last_step)
+        if last_step and self.enable and not self.load_only:
+            self._purge_stale_checkpoints()
 
     def save_now(self, step: int) -> None:
         """A full, resumable checkpoint at `step` whatever the interval (preemption, a stop on bad steps)."""
@@ -241,7 +256,13 @@ class CPTCheckpointManager(CheckpointManager):
     ) -> Any:
         """torchtitan's save, then this rank's checksums once its files are written (at once, or when an
         asynchronous save completes)."""
-        ret = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        try:
+            ret = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        except (Exception, CheckpointException) as e:  # a full disk reads "unexpected pos" there: say it
+            failure = save_failure(checkpoint_id, self.expected_bytes, e)
+            if failure is e:
+                raise
+            raise failure from e
         if to_hf:
             return ret
         rank = _rank_world()[0]

@@ -5,12 +5,15 @@ in four groups:
 - model: the architecture and the `[mhar]` graft (not the routing backend, which computes the same op);
 - base: the weights a fresh start loads (path, and hashes of its config.json and weight index);
 - data: the shards after the start-up check (their paths below the corpus folder, hashed; per
-  mixture source with its weight), the order's seed and streams, the columns, the validation sets;
+  mixture source with its weight), each source's contents (every shard's size and parquet footer,
+  hashed: a corpus re-prepared in place differs), the order's seed and streams, the windows per
+  loader batch (local_batch_size), the columns, the validation sets;
 - schedule: optimizer and LR schedule settings, global batch and sequence length, z-loss, EMA.
 A job that would load one of the run's checkpoints compares its own fingerprint with the
 recorded one and refuses, listing every difference, unless `[checkpoint] allow_changes` names
 the groups it means to change (never `model`); allowed changes are logged and recorded.
-The number of ranks and loader workers is not part of it: resume on another count is exact.
+The number of ranks and loader workers is not part of it: resume on another count is exact as long as
+local_batch_size (and the global batch) stay, the gradient-accumulation steps taking up the difference.
 """
 
 from __future__ import annotations
@@ -30,9 +33,20 @@ from data.stream import shard_keys
 FILE = "fingerprint.json"
 GROUPS = ("model", "base", "data", "schedule")
 ALLOWABLE = ("base", "data", "schedule")
+LEGACY = "legacy"  # allow_changes value: resume a run folder that has checkpoints but no fingerprint.json
 _NOT_ARCHITECTURE = ("_enforced", "max_seq_len", "attn_type")  # set per job, or an implementation choice
 _MHAR_NOT_ARCHITECTURE = ("backend", "stats_freq", "lr_multiplier")  # lr_multiplier: in schedule
 _INFORMATION = {("base", "path")}  # shown, never compared: the same files may move
+# Recorded since a later version: compared only where the run's fingerprint has them (and this job too).
+_ADDED_LATER = {("data", "local_batch_size"), ("data", "contents")}
+_HINTS = {
+    ("schedule", "decay_end"): "(decay_end is lr_scheduler.total_steps, or training.steps when that is unset)",
+    ("data", "local_batch_size"): "(data.local_batch_size is training.local_batch_size: each loader batch is that "
+    "many consecutive windows of one stream, so another value trains each step on other windows; to change the "
+    "number of ranks keep it and let training.global_batch_size set the gradient-accumulation steps)",
+    ("data", "contents"): "(data.contents: every shard's size and parquet footer, per source: the corpus was "
+    "rewritten since the run recorded it, e.g. by data.prepare --overwrite, so a resume would read other documents)",
+}
 
 
 def _digest(data: bytes) -> str:
@@ -100,10 +114,13 @@ def _shards_digest(shards: list[str]) -> str:
     return _digest("\n".join(sorted(shard_keys(shards).values()) if shards else []).encode())
 
 
-def data_group(job_config: JobConfig, shards: list[str] | dict[str, list[str]]) -> dict[str, Any]:
-    """`shards`: the usable shards of each mixture source (a list: the one source of `[data] paths`).
-    Settings added after the first runs are recorded only where they differ from their defaults, so
-    the fingerprints of those runs still match."""
+def data_group(
+    job_config: JobConfig, shards: list[str] | dict[str, list[str]], contents: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """`shards`: the usable shards of each mixture source (a list: the one source of `[data] paths`);
+    `contents`: each source's content digest (None: not known, `[data] check_shards = false`).
+    Settings added after the first runs are recorded only where they differ from their defaults (or, in
+    `_ADDED_LATER`, compared only where the run recorded them), so the fingerprints of those runs still match."""
     cfg = job_config.data
     if isinstance(shards, dict) and not cfg.mixture:
         (shards,) = shards.values()
@@ -118,6 +135,8 @@ def data_group(job_config: JobConfig, shards: list[str] | dict[str, list[str]]) 
     for key, default in (("on_source_exhausted", "repeat"), ("bos", "auto"), ("validation_sets", [])):
         if getattr(cfg, key) != default:
             optional[key] = getattr(cfg, key)
+    if contents is not None:
+        optional["contents"] = contents
     return _plain(
         {
             "shards": _shards_digest(shards),
@@ -127,6 +146,7 @@ def data_group(job_config: JobConfig, shards: list[str] | dict[str, list[str]]) 
             "text_column": cfg.text_column,
             "source_column": cfg.source_column,
             "max_document_tokens": getattr(cfg, "max_document_tokens", 0),
+            "local_batch_size": job_config.training.local_batch_size,
             "validation_fraction": cfg.validation_fraction,
             "validation_paths": sorted(cfg.validation_paths),
             **optional,
@@ -159,11 +179,17 @@ def schedule_group(job_config: JobConfig, global_batch_size: int) -> dict[str, A
     )
 
 
-def fingerprint(job_config: JobConfig, model_args: Any, shards: list[str], global_batch_size: int) -> dict[str, Any]:
+def fingerprint(
+    job_config: JobConfig,
+    model_args: Any,
+    shards: list[str] | dict[str, list[str]],
+    global_batch_size: int,
+    contents: dict[str, str] | None = None,
+) -> dict[str, Any]:
     return {
         "model": model_group(dataclasses.asdict(model_args)),
         "base": base_group(job_config),
-        "data": data_group(job_config, shards),
+        "data": data_group(job_config, shards, contents),
         "schedule": schedule_group(job_config, global_batch_size),
     }
 
@@ -174,6 +200,8 @@ def differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[tuple
     for group in GROUPS:
         was, now = recorded.get(group, {}), current.get(group, {})
         for key in sorted(set(was) | set(now)):
+            if (group, key) in _ADDED_LATER and (key not in was or key not in now):
+                continue
             if (group, key) not in _INFORMATION and was.get(key, "<absent>") != now.get(key, "<absent>"):
                 out.append((group, key, was.get(key, "<absent>"), now.get(key, "<absent>")))
     return out
@@ -186,6 +214,15 @@ def _flat(value: Any, prefix: str) -> dict[str, Any]:
             out.update(_flat(v, f"{prefix}.{k}"))
         return out
     return {prefix: value}
+
+
+def unchecked(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The `_ADDED_LATER` settings that one side lacks, so that a resume does not compare them."""
+    return [
+        f"{group}.{key}"
+        for group, key in sorted(_ADDED_LATER)
+        if (key in recorded.get(group, {})) != (key in current.get(group, {}))
+    ]
 
 
 def describe(diffs: list[tuple[str, str, Any, Any]]) -> list[str]:
@@ -215,12 +252,12 @@ def read(folder: str) -> dict[str, Any] | None:
 
 
 def check_allow(allow: list[str]) -> None:
-    """`[checkpoint] allow_changes` names only groups that may change (the trainer checks it at every start)."""
-    bad_allow = sorted(set(allow) - set(ALLOWABLE))
+    """`[checkpoint] allow_changes` names only groups that may change, or legacy (checked at every start)."""
+    bad_allow = sorted(set(allow) - {*ALLOWABLE, LEGACY})
     if bad_allow:
         raise ValueError(
             f"[checkpoint] allow_changes = {allow}: {', '.join(bad_allow)} cannot be allowed "
-            f"(choose from {', '.join(ALLOWABLE)}; a run's architecture never changes on resume)"
+            f"(choose from {', '.join((*ALLOWABLE, LEGACY))}; a run's architecture never changes on resume)"
         )
 
 
@@ -231,8 +268,7 @@ def check(recorded: dict[str, Any], current: dict[str, Any], allow: list[str], w
     refused = sorted({group for group, *_ in diffs if group not in allow})
     if refused:
         lines = describe(diffs)
-        if any(group == "schedule" and key == "decay_end" for group, key, *_ in diffs):
-            lines.append("(decay_end is lr_scheduler.total_steps, or training.steps when that is unset)")
+        lines += [hint for where, hint in _HINTS.items() if any((group, key) == where for group, key, *_ in diffs)]
         allowable = [g for g in refused if g != "model"]
         advice = "Use the run's settings or another dump_folder"
         if "model" in refused:

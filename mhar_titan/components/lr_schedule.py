@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 from torchtitan.components.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer import OptimizersContainer
@@ -75,3 +76,35 @@ def build_lr_schedulers(
     )
     factor(0)  # fail at start-up on a bad decay_type
     return LRSchedulersContainer(optimizers, factor)
+
+
+def apply_settings(schedulers: LRSchedulersContainer, settings: dict[str, dict[str, Any]]) -> list[str]:
+    """After a resume: the config's peak LR, weight decay, betas and eps (`settings` by group name) onto the
+    loaded optimizer groups and LR schedulers, and each group's LR for the next step recomputed from the
+    config's schedule, as LambdaLR would (base LR x factor at the step reached). The checkpoint restored
+    the old values; without this an allowed change would be recorded but not trained with, and a changed
+    warmup would take effect a step late. Unchanged settings give the same values bit for bit. Returns a
+    line per group whose values changed."""
+    lines = []
+    for scheduler in schedulers.schedulers:
+        groups = scheduler.optimizer.param_groups
+        for i, group in enumerate(groups):
+            want = settings[group["name"]]
+            step_lr = want["lr"] * scheduler.lr_lambdas[i](scheduler.last_epoch)
+            was = {
+                "peak lr": scheduler.base_lrs[i],
+                "weight_decay": group["weight_decay"],
+                "betas": tuple(group["betas"]),
+                "eps": group["eps"],
+                f"lr of step {scheduler.last_epoch + 1}": group["lr"],
+            }
+            now = dict(zip(was, (want["lr"], want["weight_decay"], want["betas"], want["eps"], step_lr), strict=True))
+            scheduler.base_lrs[i] = group["initial_lr"] = want["lr"]
+            group.update(weight_decay=want["weight_decay"], betas=want["betas"], eps=want["eps"], lr=step_lr)
+            changed = [f"{k} {was[k]:.6g} -> {now[k]:.6g}" for k in was if k != "betas" and was[k] != now[k]]
+            if was["betas"] != now["betas"]:
+                changed.append(f"betas {list(was['betas'])} -> {list(now['betas'])}")
+            if changed:
+                lines.append(f"optimizer group {group['name']}: " + ", ".join(changed))
+        scheduler._last_lr = [group["lr"] for group in groups]
+    return list(dict.fromkeys(lines))

@@ -45,25 +45,38 @@ def decay_split(model: nn.Module, decay_output: bool = True) -> dict[str, list[t
     return split
 
 
-def param_groups(model: nn.Module, lr: float, lr_multiplier: float, decay_output: bool = True) -> list[dict[str, Any]]:
-    """AdamW groups: decay (the configured weight decay), no_decay, routing (lr * lr_multiplier)."""
+def group_settings(optimizer_kwargs: dict[str, Any], lr_multiplier: float) -> dict[str, dict[str, Any]]:
+    """Each group's peak LR, weight decay, betas and eps, from the optimizer's settings: what a group is
+    built with, and what a resume applies again (the config decides the values, the checkpoint the step)."""
+    shared = {"betas": tuple(optimizer_kwargs["betas"]), "eps": optimizer_kwargs["eps"]}
+    lr = optimizer_kwargs["lr"]
+    return {
+        "decay": {"lr": lr, "weight_decay": optimizer_kwargs["weight_decay"], **shared},
+        "no_decay": {"lr": lr, "weight_decay": 0.0, **shared},
+        "routing": {"lr": lr * lr_multiplier, "weight_decay": 0.0, **shared},
+    }
+
+
+def param_groups(
+    model: nn.Module, settings: dict[str, dict[str, Any]], decay_output: bool = True
+) -> list[dict[str, Any]]:
+    """AdamW groups decay, no_decay (when not empty) and routing (when not empty), each with its settings."""
     split = decay_split(model, decay_output)
-    groups: list[dict[str, Any]] = [{"params": [p for _, p in split["decay"]], "name": "decay"}]
-    if split["no_decay"]:
-        groups.append({"params": [p for _, p in split["no_decay"]], "name": "no_decay", "weight_decay": 0.0})
-    if split["routing"]:
-        groups.append(
-            {
-                "params": [p for _, p in split["routing"]],
-                "name": "routing",
-                "weight_decay": 0.0,
-                "lr": lr * lr_multiplier,
-            }
-        )
+    groups = [
+        {"params": [p for _, p in split[name]], "name": name, **settings[name]}
+        for name in ("decay", "no_decay", "routing")
+        if name == "decay" or split[name]
+    ]
     for group in groups:
         n = sum(p.numel() for p in group["params"])
         logger.info(f"optimizer group {group['name']}: {len(group['params'])} tensors, {n:,} parameters")
     return groups
+
+
+def lr_multiplier(model: nn.Module) -> float:
+    """The routing group's LR multiplier of a model part ([mhar] lr_multiplier; 1 for the control)."""
+    mhar = getattr(getattr(model, "model_args", None), "mhar", None)
+    return mhar.lr_multiplier if mhar is not None else 1.0
 
 
 class GroupedOptimizersContainer(OptimizersContainer):
@@ -76,9 +89,7 @@ class GroupedOptimizersContainer(OptimizersContainer):
         self.optimizers = []
         self.model_parts = model_parts
         for model in model_parts:
-            mhar = getattr(getattr(model, "model_args", None), "mhar", None)
-            multiplier = mhar.lr_multiplier if mhar is not None else 1.0
-            groups = param_groups(model, optimizer_kwargs["lr"], multiplier, decay_output)
+            groups = param_groups(model, group_settings(optimizer_kwargs, lr_multiplier(model)), decay_output)
             self.optimizers.append(optimizer_cls(groups, **optimizer_kwargs))
             all_params.extend(p for g in groups for p in g["params"])
         self._validate_length(len(model_parts))
@@ -86,6 +97,11 @@ class GroupedOptimizersContainer(OptimizersContainer):
 
 
 _OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+
+
+def config_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
+    """The `[optimizer]` values a group's settings come from."""
+    return {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps, "weight_decay": cfg.weight_decay}
 
 
 def build_optimizers(
@@ -100,10 +116,7 @@ def build_optimizers(
     if cfg.early_step_in_backward:
         raise ValueError("[optimizer] early_step_in_backward is not supported with parameter groups")
     kwargs = {
-        "lr": cfg.lr,
-        "betas": (cfg.beta1, cfg.beta2),
-        "eps": cfg.eps,
-        "weight_decay": cfg.weight_decay,
+        **config_kwargs(cfg),
         "fused": cfg.implementation == "fused",
         "foreach": cfg.implementation == "foreach",
     }

@@ -4,7 +4,8 @@
   override); `train_cpt.py --job.config_file RUN/config.resolved.toml` runs the same settings.
 - `environment.json`: versions (Python, torch, triton, torchtitan, this project's git commit), the
   devices, the world size, the command line: what a result depends on besides the config.
-- `starts.jsonl`: one line per start (time, step, world size, commit), the run's history.
+- `starts.jsonl`: one line per start (time, step, world size, commit, any deliberate changes with their
+  old and new values), the run's history.
 - `model_args.json`: the architecture and `[mhar]` settings, for the tools (hf export).
 Written by rank 0, each file atomically.
 """
@@ -109,8 +110,11 @@ def environment(world_size: int) -> dict[str, Any]:
     }
 
 
-def record_start(job_config: JobConfig, model_args: Any, step: int, world_size: int) -> None:
-    """Rank 0, once the run's weights are settled: the files above, in the dump folder."""
+def record_start(
+    job_config: JobConfig, model_args: Any, step: int, world_size: int, changes: list[str] | None = None
+) -> None:
+    """Rank 0, once the run's weights are settled: the files above, in the dump folder; `changes`: what this
+    start changed on purpose (allow_changes) and applied, old and new values, kept in its starts.jsonl line."""
     folder = job_config.job.dump_folder
     os.makedirs(folder, exist_ok=True)
     _atomic_write(os.path.join(folder, CONFIG_FILE), to_toml(job_config))
@@ -118,7 +122,10 @@ def record_start(job_config: JobConfig, model_args: Any, step: int, world_size: 
     _atomic_write(os.path.join(folder, ENVIRONMENT_FILE), json.dumps(env, indent=2) + "\n")
     start = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": step, "world_size": world_size}
     with open(os.path.join(folder, STARTS_FILE), "a") as f:
-        f.write(json.dumps({**start, "commit": env["mhar_titan_commit"]}) + "\n")
+        f.write(
+            json.dumps({**start, "commit": env["mhar_titan_commit"], **({"changes": changes} if changes else {})})
+            + "\n"
+        )
     write_model_args(job_config, model_args)
 
 

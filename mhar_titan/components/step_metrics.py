@@ -193,7 +193,23 @@ def one_tensorboard_run(mp: MetricsProcessor, folder: str, step: int) -> None:
         lg.writer.close()
         lg.writer = SummaryWriter(folder, max_queue=1000, purge_step=step + 1 if step else None)
         if old != Path(folder):  # torchtitan's writer's folder: remove the empty event file this process made
-            for p in old.glob(f"events.out.tfevents.*.{os.getpid()}.*"):
-                p.unlink()
-            if not any(old.iterdir()):
-                old.rmdir()
+            _remove_own_events(old)
+
+
+def discard_tensorboard_run(mp: MetricsProcessor) -> None:
+    """A job refused before its first step: close torchtitan's timestamped writer and remove what this
+    process put there, so no empty run appears in TensorBoard."""
+    for lg in _each_logger(mp.logger):
+        if isinstance(lg, TensorBoardLogger):
+            lg.writer.close()
+            folder = Path(lg.writer.log_dir)
+            _remove_own_events(folder)
+            if not folder.exists() and folder.parent.is_dir() and not any(folder.parent.iterdir()):
+                folder.parent.rmdir()  # <dump_folder>/tb, made for this job alone
+
+
+def _remove_own_events(folder: Path) -> None:
+    for p in folder.glob(f"events.out.tfevents.*.{os.getpid()}.*"):
+        p.unlink()
+    if folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()

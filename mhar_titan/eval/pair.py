@@ -11,20 +11,25 @@ TensorBoard (`<pair>/eval`: `eval/<weights>/<task>/<metric>/{control,mhar,delta}
     python -m mhar_titan.eval runs/<pair> --tasks mhar_tiny_cloze [--step N] [--weights raw,ema] [--limit N]
     python -m mhar_titan.eval runs/<pair> --tasks hellaswag,arc_easy,piqa --device cuda --dtype bf16
 
-Offline: HF_DATASETS_OFFLINE is set, so standard tasks need their datasets in the HF cache. The
-`mhar_tiny_cloze` task (mhar_titan/eval_tasks.py) is built from the demo corpus and needs nothing.
-Needs the `eval` extra: pip install -e '.[eval]'.
+Offline: HF_DATASETS_OFFLINE is set (by __main__.py, before datasets is imported), so standard tasks need
+their datasets in the HF cache. Every task is resolved and its dataset loaded before anything is exported
+(harness.py): an unknown task, or a dataset not cached, is refused in one line (exit 2) with nothing exported.
+The `mhar_tiny_cloze` task (mhar_titan/eval/tasks.py) is built from the demo corpus and needs nothing.
+Exports are scratch folders (`<pair>/eval/<arm>-<weights>-step-N`), removed whatever happens (an error,
+Ctrl-C) unless --keep-exports. Needs the `eval` extra: pip install -e '.[eval]'.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import shutil
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from mhar_titan.compare.stats import paired_ci
 from mhar_titan.components.checkpoint import complete_steps
+from mhar_titan.eval.harness import TaskRefused, Tasks, load_tasks, one_line, run_harness
 from mhar_titan.eval.tasks import write_task
 from mhar_titan.hf.files import DTYPES
 from mhar_titan.hf.run import export_run, run_model_args
@@ -68,36 +74,29 @@ def export_arm(pair: Path, arm: str, step: int, ema: bool, out: Path, dtype: str
     return out
 
 
-def run_harness(folder: Path, tasks: list[str], task_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """lm-eval on one exported folder: {"results": {task: {...}}, "samples": {task: [...]}}."""
-    import lm_eval  # the optional `eval` extra: importing it costs seconds and pulls many packages
-    from lm_eval.tasks import TaskManager
-
-    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.dtype]
-    out = lm_eval.simple_evaluate(
-        model="hf",
-        model_args=f"pretrained={folder},trust_remote_code=True,dtype={dtype}",
-        tasks=tasks,
-        num_fewshot=args.num_fewshot,
-        batch_size=args.batch_size,
-        device=args.device,
-        limit=args.limit,
-        log_samples=True,
-        task_manager=TaskManager(include_path=str(task_dir)),
-    )
-    return {"results": out["results"], "samples": out["samples"]}
+class EvalFailed(RuntimeError):
+    """An evaluation that failed after the task check: one line naming the arm, weights, step and tasks."""
 
 
-def check_tasks(tasks: list[str], task_dir: Path) -> None:
-    """Every task known to lm-eval (its registry, or our include path); else a ValueError naming them."""
-    from lm_eval.tasks import TaskManager  # the optional `eval` extra, as in run_harness
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during an evaluation, naming where (still a KeyboardInterrupt for callers)."""
 
-    if not tasks:
-        raise ValueError("--tasks names no task")
-    known = set(TaskManager(include_path=str(task_dir)).all_tasks)
-    unknown = [t for t in tasks if t not in known]
-    if unknown:
-        raise ValueError(f"--tasks: {', '.join(unknown)} not known to lm-eval (nor in {task_dir})")
+
+def evaluate_arm(pair: Path, arm: str, step: int, weights: str, tasks: Tasks, args: argparse.Namespace) -> dict:
+    """One arm exported to its scratch folder and run through lm-eval; the folder is removed whatever happens
+    (an error, Ctrl-C), kept only with --keep-exports and a finished evaluation."""
+    folder = pair / "eval" / f"{arm}-{weights}-step-{step}"
+    done = False
+    try:
+        export_arm(pair, arm, step, weights == "ema", folder, args.dtype)
+        scores = run_harness(folder, tasks, args)
+        done = True
+        return scores
+    finally:
+        if not (done and args.keep_exports):
+            shutil.rmtree(folder, ignore_errors=True)
+            with contextlib.suppress(OSError):  # <pair>/eval too, if that left it empty
+                folder.parent.rmdir()
 
 
 def paired_rows(control: dict[str, Any], mhar: dict[str, Any]) -> list[dict[str, Any]]:
@@ -187,6 +186,8 @@ def write_outputs(pair: Path, out: Path, step: int, tasks: list[str], results: d
 
 
 def evaluate_pair(pair: Path, args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """Both arms on the same tasks, paired; every refusal (run folders, step, weights, tasks and their datasets)
+    comes before the first export, and a later failure names the arm, weights, step and tasks."""
     for arm in ARMS:
         if not (pair / arm / "model_args.json").is_file():
             raise ValueError(
@@ -197,19 +198,24 @@ def evaluate_pair(pair: Path, args: argparse.Namespace) -> dict[str, list[dict[s
     every_weights = [w for w in args.weights.split(",") if w]
     if not every_weights or any(w not in ("raw", "ema") for w in every_weights):
         raise ValueError(f"--weights {args.weights!r}: expected raw, ema or raw,ema")
-    work = pair / "eval"
-    task_dir = write_task(work / "tasks")
-    check_tasks(tasks, task_dir)  # before any export: an 8B export takes minutes
-    results = {}
-    for weights in every_weights:
-        scores = {}
-        for arm in ARMS:
-            print(f"[eval] {arm}, {weights} weights, step {step}: export and {', '.join(tasks)}", flush=True)
-            folder = export_arm(pair, arm, step, weights == "ema", work / f"{arm}-{weights}-step-{step}", args.dtype)
-            scores[arm] = run_harness(folder, tasks, task_dir, args)
-            if not args.keep_exports:
-                shutil.rmtree(folder, ignore_errors=True)
-        results[weights] = paired_rows(scores["control"], scores["mhar"])
+    # Our task's files live for this call only (lm-eval reads them when it builds the task, below), so a
+    # refused command leaves nothing behind.
+    with tempfile.TemporaryDirectory(prefix="mhar_titan_eval_tasks_") as task_dir:
+        built = load_tasks(tasks, write_task(Path(task_dir)))  # before any export: an 8B export takes minutes
+        results = {}
+        for weights in every_weights:
+            scores = {}
+            for arm in ARMS:
+                where = f"{arm} arm, {weights} weights, step {step}, tasks {','.join(tasks)}"
+                print(f"[eval] {arm}, {weights} weights, step {step}: export and {', '.join(tasks)}", flush=True)
+                try:
+                    scores[arm] = evaluate_arm(pair, arm, step, weights, built, args)
+                except Exception as e:
+                    left = "" if args.keep_exports else f" (scratch exports removed from {pair / 'eval'})"
+                    raise EvalFailed(f"{where}: {one_line(e)}{left}") from e
+                except KeyboardInterrupt as e:
+                    raise Interrupted(f"{where}: interrupted") from e
+            results[weights] = paired_rows(scores["control"], scores["mhar"])
     print(write_outputs(pair, Path(args.out) if args.out else pair / "compare", step, tasks, results))
     return results
 
@@ -228,11 +234,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="where the exported models run: cpu, cuda (default cpu)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="the models' dtype")
     parser.add_argument("--out", default=None, help="default: <pair>/compare")
-    parser.add_argument("--keep-exports", action="store_true", help="keep <pair>/eval/<arm>-<weights>-step-N")
+    parser.add_argument(
+        "--keep-exports",
+        action="store_true",
+        help="keep <pair>/eval/<arm>-<weights>-step-N once evaluated (removed otherwise, also on errors)",
+    )
     args = parser.parse_args(argv)
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # for what imports datasets later (__main__.py sets it first)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         evaluate_pair(Path(args.pair), args)
-    except (ValueError, FileNotFoundError) as e:
+    except TaskRefused as e:  # nothing exported: as a usage error
+        print(f"python -m mhar_titan.eval: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (ValueError, FileNotFoundError, EvalFailed) as e:
         sys.exit(f"python -m mhar_titan.eval: {e}")
+    except KeyboardInterrupt as e:
+        print(f"python -m mhar_titan.eval: {e or 'interrupted'}", file=sys.stderr)
+        sys.exit(130)

@@ -62,7 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     p_init.add_argument("--device", default="cpu", help="where to initialise (cuda: an 8B model in seconds)")
     args = parser.parse_args(argv)
     if args.cmd == "init":
-        init_hf(args.out_dir, args.flavor, args.tokenizer, args.seed, DTYPES[args.dtype], args.device)
+        try:
+            init_hf(args.out_dir, args.flavor, args.tokenizer, args.seed, DTYPES[args.dtype], args.device)
+        except (FileNotFoundError, FileExistsError, ValueError) as e:  # bad input: one line, no traceback
+            sys.exit(f"python -m mhar_titan.hf init: {e}")
         print(f"wrote a random {args.flavor} base checkpoint (seed {args.seed}, {args.dtype}) to {args.out_dir}")
     elif args.cmd == "inspect":
         mhar = MHAR(enable=True, num_blocks=args.num_blocks, num_heads=args.num_heads) if args.mhar else None

@@ -7,7 +7,6 @@ import copy
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -15,10 +14,17 @@ import fsspec
 import torch
 
 from mhar_titan.components.ema import plain_name
-from mhar_titan.hf.files import TOKENIZER_FILES, chmod_like_mkdir, copy_modeling_files, export_config, write_shards
+from mhar_titan.hf.files import (
+    TOKENIZER_FILES,
+    check_new_output,
+    copy_modeling_files,
+    export_config,
+    temp_folder,
+    write_shards,
+)
 from mhar_titan.hf.ledger import join, read_json
-from mhar_titan.model.args import FLAVORS, MHAR, MHARModelArgs
-from mhar_titan.model.hf_config import DTYPE_NAMES, hf_config_from_model_args
+from mhar_titan.model.args import FLAVORS, MHAR, MHARModelArgs, model_args_from_hf_config
+from mhar_titan.model.hf_config import DTYPE_NAMES, ffn_hidden, hf_config_from_model_args
 from mhar_titan.model.model import MHARTransformer, build_initialised
 from mhar_titan.model.state_dict_adapter import HF_ROUTING, OUR_ROUTING, MHARStateDictAdapter
 
@@ -33,6 +39,39 @@ def refuse_open_gates(gates: dict[str, torch.Tensor]) -> None:
         )
 
 
+def _architecture(args: MHARModelArgs) -> dict[str, Any]:
+    return {
+        "dim": args.dim,
+        "n_layers": args.n_layers,
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.n_kv_heads or args.n_heads,
+        "ffn_hidden": ffn_hidden(args),
+        "vocab_size": args.vocab_size,
+        "norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": args.rope_scaling_args,
+    }
+
+
+def config_base(args: MHARModelArgs, base_path: str | None) -> tuple[str | None, str]:
+    """The base whose config.json an export keeps (its extra fields, token ids), or None and why not: a base
+    may hold only the tokenizer (a run from random weights, configs/tiny_cpu.toml) or describe another model."""
+    if not base_path:
+        return None, "no base"
+    fs, root = fsspec.core.url_to_fs(base_path)
+    if not fs.exists(join(root, "config.json")):
+        return None, f"{base_path} holds no config.json"
+    try:
+        there = _architecture(model_args_from_hf_config(read_json(join(base_path, "config.json")), allow_mhar=True))
+    except ValueError as e:
+        return None, f"{base_path}/config.json is not one the exported model can have ({e})"
+    ours = _architecture(args)
+    differ = [f"{k} {there[k]} there, {ours[k]} in the export" for k in ours if there[k] != ours[k]]
+    if differ:
+        return None, f"{base_path}/config.json describes another model ({'; '.join(differ)})"
+    return base_path, ""
+
+
 def folder_config(args: MHARModelArgs, base_path: str | None, dtype: torch.dtype, with_routing: bool) -> dict[str, Any]:
     """config.json of an export: the base's own (keeping its extra fields), else one from the arguments."""
     config = read_json(join(base_path, "config.json")) if base_path else hf_config_from_model_args(args, dtype)
@@ -45,25 +84,28 @@ def write_folder(
     out_dir: str,
     write_weights: Callable[[str], None],
     config: dict[str, Any],
-    base_path: str | None,
+    tokenizer_dir: str | None,
+    log: Callable[[str], None] = print,
 ) -> None:
     """An HF folder made in a temporary sibling and renamed into place: an interrupted export leaves
-    nothing under `out_dir`. `write_weights(tmp)` writes the shards and their index."""
+    nothing under `out_dir`, and a killed one a sibling that the next export to `out_dir` removes.
+    `write_weights(tmp)` writes the shards and their index; the tokenizer files of `tokenizer_dir`
+    that are there are copied in. Every file and folder gets the mode `open`/`mkdir` would give."""
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    tmp = temp_folder(out_dir, log)
     try:
-        chmod_like_mkdir(tmp)  # mkdtemp makes it 0700
         write_weights(tmp)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         if "auto_map" in config:
             copy_modeling_files(tmp)
-        if base_path:
-            fs, root = fsspec.core.url_to_fs(base_path)
-            for name in TOKENIZER_FILES:
-                if fs.exists(join(root, name)):
-                    fs.get(join(root, name), os.path.join(tmp, name))
+        if tokenizer_dir:
+            fs, root = fsspec.core.url_to_fs(tokenizer_dir)
+            copied = [name for name in TOKENIZER_FILES if fs.exists(join(root, name))]
+            for name in copied:  # fs.get writes through open(): the mode follows the umask
+                fs.get(join(root, name), os.path.join(tmp, name))
+            log(f"tokenizer files from {tokenizer_dir}: {', '.join(copied) or 'none'}")
         if os.path.exists(out_dir):
             raise FileExistsError(f"{out_dir} already exists; export into a new directory")
         os.rename(tmp, out_dir)
@@ -80,8 +122,12 @@ def export_hf(
     dtype: torch.dtype = torch.bfloat16,
     include_routing: bool = True,
     max_shard_bytes: int = 5 * 2**30,
+    tokenizer_dir: str | None = None,
+    log: Callable[[str], None] = print,
 ) -> None:
-    """Write `model` (one process, full tensors) as an HF checkpoint directory, atomically."""
+    """Write `model` (one process, full tensors) as an HF checkpoint directory, atomically, with the
+    tokenizer files of `tokenizer_dir` (default: `base_path`)."""
+    check_new_output(out_dir)
     args = model.model_args
     state = {plain_name(k): v.detach() for k, v in model.state_dict().items()}
     routing = {k for k in state if OUR_ROUTING.match(k)}
@@ -90,8 +136,12 @@ def export_hf(
         state = {k: v for k, v in state.items() if k not in routing}
     hf_state = MHARStateDictAdapter(args, base_path).to_hf(state)
     hf_state = {k: v.to(dtype).contiguous().cpu() for k, v in hf_state.items()}
-    config = folder_config(args, base_path, dtype, any(HF_ROUTING.match(k) for k in hf_state))
-    write_folder(out_dir, lambda tmp: write_shards(hf_state, tmp, max_shard_bytes), config, base_path)
+    config_path, why = config_base(args, base_path)
+    if base_path and config_path is None:
+        log(f"config.json from the model's arguments: {why}")
+    config = folder_config(args, config_path, dtype, any(HF_ROUTING.match(k) for k in hf_state))
+    tokenizer_dir = tokenizer_dir or base_path
+    write_folder(out_dir, lambda tmp: write_shards(hf_state, tmp, max_shard_bytes), config, tokenizer_dir, log)
 
 
 def init_hf(
@@ -101,16 +151,18 @@ def init_hf(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    log: Callable[[str], None] = print,
 ) -> None:
     """A randomly initialised base checkpoint of a train-spec flavor (the demo's base, size-true smoke
-    tests). `device="cuda"` initialises an 8B model in seconds instead of minutes."""
+    tests). `device="cuda"` initialises an 8B model in seconds instead of minutes. The output folder,
+    the flavor and the tokenizer folder are checked before the model is built (minutes at 8B on CPU)."""
+    check_new_output(out_dir, "write")
     if flavor not in FLAVORS or flavor == "hf":
         raise ValueError(f"flavor {flavor!r}: expected one of {', '.join(f for f in FLAVORS if f != 'hf')}")
+    if tokenizer_dir and not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+        raise FileNotFoundError(f"{os.path.join(tokenizer_dir, 'tokenizer.json')}: not found (the tokenizer to copy)")
     args = copy.deepcopy(FLAVORS[flavor])
     args.mhar = MHAR()
     torch.manual_seed(seed)
     model = build_initialised(args, device)
-    export_hf(model, out_dir, base_path=None, dtype=dtype)
-    for name in TOKENIZER_FILES if tokenizer_dir else ():
-        if os.path.exists(os.path.join(tokenizer_dir, name)):
-            shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(out_dir, name))
+    export_hf(model, out_dir, base_path=None, dtype=dtype, tokenizer_dir=tokenizer_dir, log=log)

@@ -1,8 +1,9 @@
-"""Checks and file helpers for HF checkpoints: safetensors headers, RoPE fields, folder modes, config.json
-of an export, shards and their index.
+"""Checks and file helpers for HF checkpoints: safetensors headers and sizes, RoPE fields, output folders
+(their modes, temporary siblings and those left by killed writers), config.json of an export, shards and
+their index.
 
 Each turns a bare parser error (JSONDecodeError, MemoryError, KeyError) into a ValueError that
-names the file and what is wrong with it, and output folders get the mode `mkdir` would give.
+names the file and what is wrong with it, and what is written gets the mode `open`/`mkdir` would give.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
 import torch
 from safetensors.torch import save_file
 
+from data.partial import clean_stale, sibling
 from mhar_titan.model.args import MHAR
 from mhar_titan.model.hf_config import MHAR_ARCHITECTURE, MHAR_MODEL_TYPE
 
@@ -30,7 +33,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def safetensors_header(path: str) -> dict[str, Any]:
     """{tensor name: {"dtype", "shape", ...}} of a safetensors file (no "__metadata__"), without its data.
 
-    The 8-byte length is checked against the file size and the format's limit before anything is read.
+    The 8-byte length is checked against the file size and the format's limit before anything is read,
+    and the file's size against the one its header describes: a file cut short (a copy still running)
+    would otherwise pass here and fail deep inside the load, naming no file.
     """
     fs, root = fsspec.core.url_to_fs(path)
     size = fs.size(root)  # None where a file system cannot tell: then only the format's limit applies
@@ -60,10 +65,31 @@ def safetensors_header(path: str) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise ValueError(f"{path}: corrupt safetensors header: JSON {type(header).__name__}, expected an object")
     header.pop("__metadata__", None)
+    end = 0
     for name, info in header.items():
         if not isinstance(info, dict) or "dtype" not in info or not isinstance(info.get("shape"), list):
             raise ValueError(f"{path}: corrupt safetensors header: tensor {name!r} has no dtype and shape: {info!r}")
+        offsets = info.get("data_offsets")
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(o) is int and o >= 0 for o in offsets)
+            and offsets[0] <= offsets[1]
+        ):
+            raise ValueError(f"{path}: corrupt safetensors header: tensor {name!r} has no valid data_offsets: {info!r}")
+        end = max(end, offsets[1])
+    want = 8 + length + end  # the format: the length, the header, then the data up to the last tensor's end
+    if size is not None and size != want:
+        why = "truncated or still being copied" if size < want else "bytes after the last tensor's data"
+        raise ValueError(f"{path}: {size:,} bytes, the header describes {want:,}: {why}")
     return header
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """save_file, then the mode `open` would give: safetensors 0.8 writes through a temporary file (mode
+    0600) renamed into place, which teammates on a shared file system could not read."""
+    save_file(tensors, path, metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~umask())
 
 
 def umask() -> int:
@@ -80,9 +106,29 @@ def umask() -> int:
     return mask
 
 
-def chmod_like_mkdir(path: str) -> None:
-    """Give a folder made by tempfile.mkdtemp (mode 0700) the mode a plain mkdir would have given it."""
-    os.chmod(path, 0o777 & ~umask())
+# ---------------------------------------------------------------------------------------------
+# output folders: written in a hidden sibling named for the output, this host and this process
+
+NAME_MAX = 255
+EXPORT = "export"  # the kind of sibling an export or init writes in (data/partial.py)
+
+
+def check_new_output(out_dir: str, verb: str = "export") -> None:
+    """Refuse an existing output (or one whose temporary sibling's name would be too long) before any work."""
+    if os.path.lexists(out_dir):
+        raise FileExistsError(f"{out_dir} already exists; {verb} into a new directory")
+    name = os.path.basename(sibling(out_dir, EXPORT))
+    if len(name) > NAME_MAX:
+        raise ValueError(f"{out_dir}: the name is too long for its temporary sibling {name} (at most {NAME_MAX})")
+
+
+def temp_folder(out_dir: str, log: Callable[[str], None]) -> str:
+    """A new hidden sibling of `out_dir` to write into (renamed into place when complete), made by mkdir
+    (its mode follows the umask), after removing those that killed exports to `out_dir` left."""
+    clean_stale(out_dir, (EXPORT,), "an export to", log)
+    tmp = sibling(out_dir, EXPORT)
+    os.mkdir(tmp)
+    return tmp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,7 +222,5 @@ def write_shards(state: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: 
     sizes = {key: t.numel() * t.element_size() for key, t in state.items()}
     shards = plan_shards(sizes, max_shard_bytes)
     for i, keys in enumerate(shards):
-        save_file(
-            {k: state[k] for k in keys}, os.path.join(out_dir, shard_name(i, len(shards))), metadata={"format": "pt"}
-        )
+        write_safetensors({k: state[k] for k in keys}, os.path.join(out_dir, shard_name(i, len(shards))))
     write_index(out_dir, shards, sum(sizes.values()))

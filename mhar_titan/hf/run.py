@@ -12,14 +12,13 @@ from collections.abc import Callable
 import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
 from mhar_titan.components.checkpoint import complete_steps
 from mhar_titan.components.checksums import verify_share
 from mhar_titan.components.ema import plain_name
-from mhar_titan.hf.export import folder_config, refuse_open_gates, write_folder
-from mhar_titan.hf.files import plan_shards, shard_name, write_index
+from mhar_titan.hf.export import config_base, folder_config, refuse_open_gates, write_folder
+from mhar_titan.hf.files import check_new_output, plan_shards, shard_name, write_index, write_safetensors
 from mhar_titan.hf.ledger import join, read_json
 from mhar_titan.model.args import MHAR, MHARModelArgs
 from mhar_titan.model.model import MHARTransformer, build_initialised
@@ -85,6 +84,24 @@ def verify_checkpoint(step_dir: str, log: Callable[[str], None] = print) -> None
         log(f"{step_dir}: checksums verified in {time.perf_counter() - began:.1f} s")
 
 
+def base_sources(base: str | None, args: MHARModelArgs, log: Callable[[str], None]) -> tuple[str | None, str | None]:
+    """Where an export's config.json and tokenizer files come from, each looked for on its own in the run's
+    recorded base (hf_assets_path): a run from random weights (configs/tiny_cpu.toml) has a base folder
+    that holds the tokenizer and no config.json or weights. Only what is really missing is warned about."""
+    if not base:
+        return None, None
+    fs, root = fsspec.core.url_to_fs(base)
+    if not fs.isdir(root):
+        log(f"warning: the run's base {base} is not there: the export gets no tokenizer files")
+        return None, None
+    if not fs.exists(join(root, "tokenizer.json")):
+        log(f"warning: the run's base {base} has no tokenizer.json: the export gets no tokenizer")
+    config_path, why = config_base(args, base)
+    if config_path is None:
+        log(f"config.json from the run's model arguments: {why}")
+    return config_path, base
+
+
 def export_run(
     run_dir: str,
     out_dir: str,
@@ -104,13 +121,10 @@ def export_run(
     tensors are read from the checkpoint into `dtype` on `device` (where the cast and the RoPE
     permutation run), written, and dropped. Every input is checked before the first tensor is read.
     """
-    if os.path.exists(out_dir):
-        raise FileExistsError(f"{out_dir} already exists; export into a new directory")
+    check_new_output(out_dir)
     step_dir = checkpoint_step_dir(run_dir, step)
-    args, base = run_model_args(run_dir)
-    if base and not fsspec.core.url_to_fs(base)[0].exists(join(base, "config.json")):
-        log(f"warning: the run's base {base} is not there: the export gets no tokenizer files")
-        base = None
+    args, recorded_base = run_model_args(run_dir)
+    base, tokenizer_dir = base_sources(recorded_base, args, log)
     with torch.device("meta"):
         model = MHARTransformer(args)
     shapes = {plain_name(k): v.shape for k, v in model.state_dict().items()}
@@ -147,13 +161,13 @@ def export_run(
             began = time.perf_counter()
             read = _read(step_dir, {source[ours_of[h]]: shapes[ours_of[h]] for h in keys}, dtype, device)
             tensors = {h: adapter.to_hf({ours_of[h]: read.pop(source[ours_of[h]])})[h].contiguous().cpu() for h in keys}
-            save_file(tensors, os.path.join(tmp, shard_name(i, len(shards))), metadata={"format": "pt"})
+            write_safetensors(tensors, os.path.join(tmp, shard_name(i, len(shards))))
             gb, seconds = sum(sizes[h] for h in keys) / 1e9, time.perf_counter() - began
             log(f"shard {i + 1}/{len(shards)}: {len(keys)} tensors, {gb:.2f} GB in {seconds:.1f} s")
             del read, tensors
         write_index(tmp, shards, total)
 
-    write_folder(out_dir, write_weights, config, base)
+    write_folder(out_dir, write_weights, config, tokenizer_dir, log)
     return step_dir
 
 

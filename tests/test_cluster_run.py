@@ -1,0 +1,227 @@
+"""What a cluster run meets, through train_cpt.py and launch/torchrun.sh on 2 CPU ranks: two jobs on
+one run folder, a preemption signal in the first seconds, a deliberate schedule change, a corpus
+re-prepared in place, a run folder without its fingerprint, another rank count or batch layout,
+retention at the last step, a disk too small, and train_cpt.py without torchrun. (A source read to its
+end: tests/test_data_mixture.py.)"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import REPO, process_tree, torchrun
+
+from mhar_titan.components.lr_schedule import lr_factor
+from mhar_titan.components.tensorboard_scalars import read_scalars
+
+STEPS = ("--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2", "--validation.no-enable")
+SCHEDULE = ("--lr_scheduler.total_steps", "12", "--lr_scheduler.warmup_steps", "2")
+ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def mixture(corpus: Path) -> tuple[str, ...]:
+    return ("--data.mixture", f"docstrings=0.7:{corpus}/docstrings,code=0.3:{corpus}/code")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> tuple[Path, Path]:
+    """7 steps on 2 ranks, checkpoints every 2 steps and at the last, on a copy of the demo corpus: (run, corpus)."""
+    root = tmp_path_factory.mktemp("base")
+    corpus = root / "corpus"
+    shutil.copytree(REPO / "assets" / "tiny" / "corpus", corpus / "docstrings")
+    shutil.copytree(REPO / "assets" / "tiny" / "code", corpus / "code")
+    run = root / "run"
+    torchrun(run, "--training.steps", "7", *STEPS, *SCHEDULE, *mixture(corpus))
+    return run, corpus
+
+
+def copy_run(base_run: Path, to: Path, drop: tuple[int, ...] = ()) -> Path:
+    shutil.copytree(base_run, to)
+    for step in drop:
+        shutil.rmtree(to / "checkpoint" / f"step-{step}")
+    return to
+
+
+def streams(run: Path, step: int) -> dict:
+    keys = {"dataloader": {f"stream_{s:05d}": "" for s in range(4)} | {"batches": 0}}
+    dcp.load(keys, checkpoint_id=str(run / "checkpoint" / f"step-{step}"), no_dist=True)
+    return {k: json.loads(v) for k, v in keys["dataloader"].items() if k.startswith("stream")}
+
+
+def files(run: Path) -> dict[Path, tuple[bool, int]]:
+    """Every path below `run`, with the modification time of the files (a folder's changes with its entries)."""
+    return {p.relative_to(run): (p.is_dir(), 0 if p.is_dir() else p.stat().st_mtime_ns) for p in run.rglob("*")}
+
+
+def test_the_last_steps_save_applies_retention(base):
+    run, _ = base
+    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-6", "step-7"]  # step 4 purged at 7
+
+
+def test_another_rank_count_continues_exactly_and_another_local_batch_is_refused(base, tmp_path):
+    run, corpus = base
+    # From step 6 (an odd multiple of 2: the loader's batch counter matters), on 1 rank with the same
+    # global batch: 2 microbatches of 4 windows a step, the same windows of the same streams as 2 ranks took.
+    resumed = copy_run(run, tmp_path / "one_rank", drop=(7,))
+    args = ("--training.steps", "7", *STEPS, *SCHEDULE, *mixture(corpus))
+    torchrun(resumed, *args, "--training.global_batch_size", "8", nproc=1)
+    assert streams(resumed, 7) == streams(run, 7)
+    assert read_scalars(resumed, "tokens_seen")[7] == read_scalars(run, "tokens_seen")[7]
+
+    other = copy_run(run, tmp_path / "wide", drop=(7,))
+    proc = torchrun(other, *args, "--training.local_batch_size", "8", nproc=1, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "data.local_batch_size: 4 in the run, 8 now" in log
+    assert "keep it and let training.global_batch_size set the gradient-accumulation steps" in log
+
+
+def test_an_allowed_schedule_change_is_applied_from_the_first_resumed_step(base, tmp_path):
+    run, corpus = base
+    resumed = copy_run(run, tmp_path / "run", drop=(7,))
+    changed = ("--optimizer.lr", "1e-3", "--optimizer.weight_decay", "0.1", "--lr_scheduler.warmup_steps", "10")
+    args = ("--training.steps", "8", *STEPS, "--lr_scheduler.total_steps", "12", *mixture(corpus), *changed)
+    proc = torchrun(resumed, *args, "--checkpoint.allow_changes", "schedule")
+    log = proc.stdout + proc.stderr
+    assert "schedule.weight_decay: 0.05 in the run, 0.1 now" in log
+    assert "optimizer group decay: peak lr 0.003 -> 0.001, weight_decay 0.05 -> 0.1, lr of step 7" in log
+    factor = {s: lr_factor(s, warmup_steps=10, decay_start=10, decay_end=12, decay_type="linear", min_lr_factor=0.1)
+              for s in (6, 7)}  # fmt: skip
+    lr = read_scalars(resumed, "lr/decay")
+    # as TensorBoard stores it (float32); not 3e-3 x the old warmup's factor
+    assert (lr[7], lr[8]) == tuple(float(torch.tensor(1e-3 * factor[s], dtype=torch.float32)) for s in (6, 7))
+    state = {"lr_scheduler": {"base_lrs": [0.0, 0.0]}}
+    dcp.load(state, checkpoint_id=str(resumed / "checkpoint" / "step-8"), no_dist=True)
+    assert state["lr_scheduler"]["base_lrs"] == [1e-3, 1e-3]
+    start = json.loads((resumed / "starts.jsonl").read_text().splitlines()[-1])
+    assert "schedule.lr: 0.003 in the run, 0.001 now" in start["changes"]
+    # the fingerprint now holds the values trained with: the same settings resume without allow_changes
+    torchrun(resumed, *args[:1], "9", *args[2:])
+
+
+def test_a_corpus_rewritten_in_place_is_refused_before_the_run_is_touched(base, tmp_path):
+    run, corpus = base
+    moved = tmp_path / "corpus"
+    shutil.copytree(corpus, moved)  # a copy elsewhere is the same corpus ...
+    shard = sorted((moved / "code").glob("*.parquet"))[1]
+    table = pq.read_table(shard)
+    pq.write_table(table.take(list(range(table.num_rows))[::-1]), shard)  # ... until a shard is rewritten
+    subprocess.run([sys.executable, "-m", "data.index", str(moved / "code")], cwd=REPO, check=True, capture_output=True)
+    resumed = copy_run(run, tmp_path / "run", drop=(7,))
+    before = files(resumed)
+    proc = torchrun(resumed, "--training.steps", "8", *STEPS, *SCHEDULE, *mixture(moved), check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert 'data.contents.code: "' in log and "data.contents.docstrings" not in log
+    assert "the corpus was rewritten since the run recorded it" in log
+    assert files(resumed) == before  # no stray tb/<timestamp>, no record, no lock left
+
+
+def test_a_run_folder_without_its_fingerprint_needs_allow_changes_legacy(base, tmp_path):
+    run, corpus = base
+    resumed = copy_run(run, tmp_path / "run", drop=(7,))
+    (resumed / "fingerprint.json").unlink()
+    before = files(resumed)
+    args = ("--training.steps", "7", *STEPS, *SCHEDULE, *mixture(corpus))
+    proc = torchrun(resumed, *args, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "holds checkpoints (steps 6..6) but no fingerprint.json" in log
+    assert "--checkpoint.allow_changes legacy" in log
+    assert files(resumed) == before
+    proc = torchrun(resumed, *args, "--checkpoint.allow_changes", "legacy")
+    assert "Training starts at step 7" in proc.stdout + proc.stderr
+    assert (resumed / "fingerprint.json").exists()
+
+
+def launch(run: Path, *args: str) -> subprocess.Popen:
+    cmd = [str(REPO / "launch" / "torchrun.sh"), "--nproc", "2", "configs/tiny_cpu.toml", "--job.dump_folder", str(run)]
+    env = {**os.environ, "PYTHON": sys.executable, **ENV}
+    return subprocess.Popen(
+        [*cmd, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def read_until(proc: subprocess.Popen, text: str, lines: list[str]) -> None:
+    for line in proc.stdout:
+        lines.append(line)
+        if text in line:
+            return
+    pytest.fail(f"{text!r} never came:\n{''.join(lines)[-3000:]}")
+
+
+def test_a_second_job_on_a_live_run_folder_is_refused_and_the_first_one_goes_on(base, tmp_path):
+    run, corpus = base
+    live = copy_run(run, tmp_path / "run")
+    args = ("--training.steps", "40", *STEPS, *SCHEDULE, *mixture(corpus))
+    first = launch(live, *args)
+    lines: list[str] = []
+    try:
+        read_until(first, "Training starts at step 8", lines)
+        recorded = (live / "fingerprint.json").read_bytes()
+        starts = (live / "starts.jsonl").read_text()
+        second = torchrun(live, *args, "--optimizer.lr", "1e-3", "--checkpoint.allow_changes", "schedule", check=False)
+        log = second.stdout + second.stderr
+        assert second.returncode != 0
+        assert f"{live}/run.lock: the run folder is in use by another job (host" in log, log[-3000:]
+        assert (live / "fingerprint.json").read_bytes() == recorded and (live / "starts.jsonl").read_text() == starts
+        assert [p.name for p in (live / "tb").iterdir() if p.is_dir()] == []  # no second TensorBoard run
+        os.kill(first.pid, signal.SIGTERM)
+        rest = first.communicate(timeout=300)[0]
+    finally:
+        for pid in process_tree(first.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert first.returncode == 75, rest[-3000:]
+    stop = json.loads((live / "preempted.json").read_text())["step"]
+    assert (live / "checkpoint" / f"step-{stop}" / ".metadata").is_file()
+    assert not (live / "run.lock").exists()
+
+
+def test_a_preemption_signal_in_the_first_seconds_stops_after_one_step_with_a_checkpoint(base, tmp_path):
+    run, corpus = base
+    early = copy_run(run, tmp_path / "run")
+    job = launch(early, "--training.steps", "40", *STEPS, *SCHEDULE, *mixture(corpus))
+    time.sleep(1.5)
+    os.kill(job.pid, signal.SIGTERM)
+    log = job.communicate(timeout=300)[0]
+    assert job.returncode == 75, log[-3000:]
+    assert "a stop was asked before training started" in log
+    assert json.loads((early / "preempted.json").read_text())["step"] == 8
+    assert (early / "checkpoint" / "step-8" / ".metadata").is_file() and not (early / "STOP").exists()
+
+
+def test_a_checkpoint_folder_too_small_for_one_checkpoint_is_refused_at_start(tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], capture_output=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mount.stderr.decode().strip()}")
+    try:
+        proc = torchrun(small / "run", "--training.steps", "2", *STEPS, check=False)
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"checkpoint folder {small}/run/checkpoint: 0.00 GiB free, one checkpoint of this run takes about" in log
+    assert "step 1/2" not in log
+
+
+def test_train_cpt_without_torchrun_says_how_to_launch_it():
+    proc = subprocess.run([sys.executable, "train_cpt.py", "--job.config_file", "configs/tiny_cpu.toml"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "train_cpt.py: run it under torchrun (it needs a process group): launch/torchrun.sh CONFIG [--section.key "
+        "value ...], or torchrun --nproc-per-node=N train_cpt.py --job.config_file CONFIG"
+    ]
