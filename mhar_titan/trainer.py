@@ -395,6 +395,11 @@ def refusals() -> Iterator[None]:
         if os.environ.get("MHAR_TRACEBACK"):
             raise
         logger.error(f"{type(e).__name__}: {e}")
+        # torchtitan's Trainer.__init__ is wrapped by torchelastic's @record, which already wrote the
+        # traceback for torchrun's failure summary: the line above says it all.
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+        if os.path.isfile(error_file):
+            os.remove(error_file)
         raise SystemExit(REFUSED_EXIT_CODE) from None
 
 
