@@ -67,8 +67,7 @@ class RunFolder:
                 f"[data] another rank or accumulation layout: loader batch {self.dataloader.batches} ({batches})"
             )
         if cfg.data.on_source_exhausted == "stop" and self.step < cfg.training.steps:
-            out = [k.split("/")[1] for k, v in gather_counters(self.dataloader).items() if k.endswith("/epochs") and v]
-            if out:
+            if out := self._exhausted_sources():
                 raise self._exhausted_exit(out, again=True)
         return applied
 
@@ -86,6 +85,11 @@ class RunFolder:
         fingerprint.record(self.job_config.job.dump_folder, self.fingerprint, self.step, changes)
         world = torch.distributed.get_world_size()
         run_record.record_start(self.job_config, self.model_args, self.step, world, changes + applied)
+
+    def _exhausted_sources(self) -> list[str]:
+        """The mixture sources some rank's stream has read to its end (every rank must call)."""
+        epochs = {k: v for k, v in gather_counters(self.dataloader).items() if k.endswith("/epochs")}
+        return [k.split("/")[1] for k, v in epochs.items() if k.startswith("mixture/") and v]
 
     def _exhausted_exit(self, sources: list[str], again: bool) -> SourcesExhausted:
         exit_ = SourcesExhausted(self.step, self.job_config.training.steps, sources, again)

@@ -27,7 +27,7 @@ from mhar_titan.components.checkpoint import CPTCheckpointManager
 from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.preemption import PreemptionWatch
 from mhar_titan.components.routing_stats import average_routing_stats, name_routing_stats
-from mhar_titan.components.run_lock import LockHeld
+from mhar_titan.components.run_lock import LOCK_FILE, LockHeld
 from mhar_titan.components.step_metrics import (
     MemoryPhases,
     StepClock,
@@ -144,7 +144,7 @@ class CPTTrainer(RunFolder, Trainer):
                     self._stop_for_requeue(self.stop_reason)
                 if self.exhausted and self.step < cfg.training.steps:
                     self.checkpointer.save_now(self.step)
-                    raise self._exhausted_exit(sorted(set(sum(_gather(self.dataloader.exhausted()), []))), again=False)
+                    raise self._exhausted_exit(self._exhausted_sources(), again=False)
                 if profiler:
                     profiler.step()
                 if memory:
@@ -204,7 +204,7 @@ class CPTTrainer(RunFolder, Trainer):
         bad_any, stop_any, loss_max, lost_any, out_any, norm, *values = self.readback.read()
         if lost_any:
             raise RuntimeError(
-                f"step {self.step}: {os.path.join(self.job_config.job.dump_folder, 'run.lock')} was taken over by "
+                f"step {self.step}: {os.path.join(self.job_config.job.dump_folder, LOCK_FILE)} was taken over by "
                 "another job (this job's heartbeat had stalled past [job] run_lock_stale_s); stopping without "
                 "writing anything more to the run folder"
             )
@@ -245,11 +245,10 @@ class CPTTrainer(RunFolder, Trainer):
         device, by one MAX all-reduce a step; built there (new_full: no host copy, which would wait for the GPU)."""
         self._asked = self.preemption.local_request(check_file=torch.distributed.get_rank() == 0)
         bad = ~torch.isfinite(loss) | ~torch.isfinite(grad_norm)
-        lost = self.run_lock is not None and self.run_lock.lost
+        asked = loss.new_full((), float(self._asked is not None))
+        lost = loss.new_full((), float(self.run_lock is not None and self.run_lock.lost))
         out = self.job_config.data.on_source_exhausted == "stop" and bool(self.dataloader.exhausted())
-        host = [float(self._asked is not None), float(lost), float(out)]
-        flag = [loss.new_full((), v) for v in host]
-        flags = torch.stack([bad.float(), flag[0], own_mean.float(), flag[1], flag[2]])
+        flags = torch.stack([bad.float(), asked, own_mean.float(), lost, loss.new_full((), float(out))])
         if torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
         return flags
@@ -377,12 +376,6 @@ class CPTTrainer(RunFolder, Trainer):
         super().load_state_dict(state_dict)
         self.tokens_seen = int(state_dict["ntokens_seen"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-
-
-def _gather(value: Any) -> list[Any]:
-    everyone: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(everyone, value)
-    return everyone
 
 
 @contextlib.contextmanager

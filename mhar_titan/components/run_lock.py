@@ -58,8 +58,8 @@ class LockHeld(RuntimeError):
 
 
 class RunLock:
-    """`acquire` once (returns a line for the log), then `poll` tells whether the lock is still ours,
-    `release` at exit. `clock`/`sleep` are injectable for tests."""
+    """`acquire` once (returns a line for the log); `lost` turns true once a heartbeat finds the lock
+    taken over; `release` at exit. `clock`/`sleep` are injectable for tests."""
 
     def __init__(
         self,
