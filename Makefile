@@ -1,4 +1,4 @@
-# The interface: install, test, demo, lint, bench-kernels, bench-step, bench-data, bench-startup. `make test` and `make demo`
+# The interface: install, test, demo, preflight, lint, bench-kernels, bench-step, bench-data, bench-startup. `make test` and `make demo`
 # each set up everything they need on a fresh machine.
 
 PYTHON ?= python3
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DIR := runs/tiny
 
-.PHONY: install test demo lint bench-kernels bench-step bench-data bench-startup clean
+.PHONY: install test demo preflight lint bench-kernels bench-step bench-data bench-startup clean
 
 install: $(STAMP)
 
@@ -40,6 +40,13 @@ demo: install
 	$(PY) -m mhar_titan.eval $(DEMO_DIR) --tasks mhar_tiny_cloze
 	@echo "Report: $(DEMO_DIR)/compare/report.md"
 	@echo "TensorBoard: $(VENV)/bin/tensorboard --logdir $(DEMO_DIR)"
+
+# The whole pipeline on this machine's GPUs before a long pair (README, "Before a long run: preflight"): the
+# marin8b pair where nvidia-smi lists a GPU, else the tiny pair on 2 CPU ranks; ARGS e.g. "--nproc 8 --tasks ...".
+PREFLIGHT_CONFIGS ?= $(if $(shell nvidia-smi -L 2>/dev/null),configs/marin8b_control.toml configs/marin8b_mhar.toml,configs/tiny_cpu.toml configs/tiny_cpu_mhar.toml)
+
+preflight: install
+	$(PY) -m mhar_titan.preflight $(PREFLIGHT_CONFIGS) $(ARGS)
 
 # GPU only: the 8B-geometry routing microbatch, the fused kernels' eager path (the training step's
 # path, the headline) and custom op vs torch.compile vs eager, with and without grad, and a sweep.

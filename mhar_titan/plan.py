@@ -77,9 +77,11 @@ class Geometry:
         return self.ranks > 1
 
 
-def geometry(cfg: JobConfig, gpus: int, mhar: bool) -> Geometry:
-    """The job's geometry on `gpus` ranks (FSDP over all of them), with MHAR on or off."""
+def geometry(cfg: JobConfig, gpus: int, mhar: bool, layers: int | None = None) -> Geometry:
+    """The job's geometry on `gpus` ranks (FSDP over all of them), with MHAR on or off; `layers` cuts the depth."""
     args = model_args(cfg)
+    if layers is not None:
+        args.n_layers = layers
     args.mhar = dataclasses.replace(cfg.mhar, enable=mhar)
     args.max_seq_len = cfg.training.seq_len
     with torch.device("meta"):
@@ -212,8 +214,29 @@ def plan(cfg: JobConfig, gpus: int, gpu_memory: float, margin: float) -> dict[st
     }
 
 
+def full_depth(cfg: JobConfig) -> int:
+    return model_args(cfg).n_layers
+
+
+def deepest_fit(cfg: JobConfig, gpus: int, gpu_memory: float, margin: float, mode: str) -> tuple[int | None, dict]:
+    """The largest depth (a multiple of `[mhar] num_blocks`, at most the model's) at which both arms fit in `mode`
+    with the margin, or None; and the peaks (GiB, per arm) at that depth, or at the shallowest when none fits.
+    What a job too deep for its GPUs runs instead, with every routing source count kept (the preflight)."""
+    budget = gpu_memory * (1 - margin) - RUNTIME_RESERVE
+    step = max(1, cfg.mhar.num_blocks)
+    for layers in range(full_depth(cfg) // step * step, 0, -step):
+        peaks = {
+            arm: estimate(geometry(cfg, gpus, on, layers), mode)["peak"]
+            for arm, on in (("control", False), ("mhar", True))
+        }
+        if max(peaks.values()) <= budget:
+            return layers, {"layers": layers, "budget_gib": budget / GIB, **{a: v / GIB for a, v in peaks.items()}}
+    return None, {"layers": step, "budget_gib": budget / GIB, **{a: v / GIB for a, v in peaks.items()}}
+
+
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
+    """Warnings and info of the loggers off (torchtitan's config parser warns of a base folder not read)."""
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)
@@ -240,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     if not os.path.isfile(args.config):
         parser.error(f"config {args.config}: no such file")
     try:
-        with _quiet():  # torchtitan warns of a missing base folder, which a plan with a flavor does not read
+        with quiet():  # torchtitan warns of a missing base folder, which a plan with a flavor does not read
             cfg = parse_config(["--job.config_file", args.config, *overrides])
         result = plan(cfg, args.gpus, args.gpu_memory, args.margin)
     except (ValueError, FileNotFoundError) as e:

@@ -30,6 +30,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,12 @@ def table(results: dict[str, list[dict[str, Any]]], step: int, tasks: list[str])
         "paired stderr and 95% CI over the same documents.",
         "",
     ]
+    return "\n".join([*lines, *table_rows(results), REPORT_END, ""])
+
+
+def table_rows(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The paired table's markdown lines, one table per weights (the report's section without its heading)."""
+    lines = []
     for weights, rows in results.items():
         lines += [f"**{weights} weights**", "", "| task | metric | control | mhar | delta | stderr | 95% CI | n |"]
         lines.append("|---|---|---|---|---|---|---|---|")
@@ -161,7 +168,7 @@ def table(results: dict[str, list[dict[str, Any]]], step: int, tasks: list[str])
                 f"{r['n']} |"
             )
         lines.append("")
-    return "\n".join([*lines, REPORT_END, ""])
+    return lines
 
 
 def write_outputs(pair: Path, out: Path, step: int, tasks: list[str], results: dict[str, list[dict]]) -> str:
@@ -198,6 +205,27 @@ def evaluate_pair(pair: Path, args: argparse.Namespace) -> dict[str, list[dict[s
     every_weights = [w for w in args.weights.split(",") if w]
     if not every_weights or any(w not in ("raw", "ema") for w in every_weights):
         raise ValueError(f"--weights {args.weights!r}: expected raw, ema or raw,ema")
+    left = "" if args.keep_exports else f" (scratch exports removed from {pair / 'eval'})"
+
+    def score(arm: str, weights: str, built: Tasks) -> dict[str, Any]:
+        return evaluate_arm(pair, arm, step, weights, built, args)
+
+    results = evaluate_models(tasks, every_weights, step, score, doing="export and ", left=left)
+    print(write_outputs(pair, Path(args.out) if args.out else pair / "compare", step, tasks, results))
+    return results
+
+
+def evaluate_models(
+    tasks: list[str],
+    every_weights: list[str],
+    step: int,
+    score: Callable[[str, str, Tasks], dict[str, Any]],
+    doing: str = "",
+    left: str = "",
+) -> dict[str, list[dict[str, Any]]]:
+    """Every arm with every weights scored by `score(arm, weights, built_tasks)` (an export and lm-eval, or lm-eval
+    on a folder already exported) on the same tasks, built once before the first score; paired per weights.
+    A failure names the arm, weights, step and tasks (and `left`: what was cleaned up)."""
     # Our task's files live for this call only (lm-eval reads them when it builds the task, below), so a
     # refused command leaves nothing behind.
     with tempfile.TemporaryDirectory(prefix="mhar_titan_eval_tasks_") as task_dir:
@@ -207,16 +235,14 @@ def evaluate_pair(pair: Path, args: argparse.Namespace) -> dict[str, list[dict[s
             scores = {}
             for arm in ARMS:
                 where = f"{arm} arm, {weights} weights, step {step}, tasks {','.join(tasks)}"
-                print(f"[eval] {arm}, {weights} weights, step {step}: export and {', '.join(tasks)}", flush=True)
+                print(f"[eval] {arm}, {weights} weights, step {step}: {doing}{', '.join(tasks)}", flush=True)
                 try:
-                    scores[arm] = evaluate_arm(pair, arm, step, weights, built, args)
+                    scores[arm] = score(arm, weights, built)
                 except Exception as e:
-                    left = "" if args.keep_exports else f" (scratch exports removed from {pair / 'eval'})"
                     raise EvalFailed(f"{where}: {one_line(e)}{left}") from e
                 except KeyboardInterrupt as e:
                     raise Interrupted(f"{where}: interrupted") from e
             results[weights] = paired_rows(scores["control"], scores["mhar"])
-    print(write_outputs(pair, Path(args.out) if args.out else pair / "compare", step, tasks, results))
     return results
 
 

@@ -2,7 +2,7 @@
 
 python -m mhar_titan.hf inspect PATH [--mhar [--num-blocks N] [--num-heads H]]
 python -m mhar_titan.hf export RUN_DIR OUT_DIR [--step N] [--ema] [--dtype bf16] [--device cpu]
-python -m mhar_titan.hf init OUT_DIR [--flavor tiny] [--tokenizer DIR] [--seed 0]
+python -m mhar_titan.hf init OUT_DIR [--flavor tiny|CHECKPOINT_DIR] [--layers N] [--tokenizer DIR] [--seed 0]
 """
 
 from __future__ import annotations
@@ -55,7 +55,12 @@ def main(argv: list[str] | None = None) -> None:
         description="A randomly initialised HF base checkpoint of a built-in flavor (make demo's base).",
     )
     p_init.add_argument("out_dir", help="a new folder for the HF model")
-    p_init.add_argument("--flavor", default="tiny", help="a built-in architecture (tiny, marin8b, ...; default tiny)")
+    p_init.add_argument(
+        "--flavor",
+        default="tiny",
+        help="a built-in architecture (tiny, marin8b, ...; default tiny) or an HF checkpoint folder (its config.json)",
+    )
+    p_init.add_argument("--layers", type=int, default=None, help="the depth, if not the architecture's own")
     p_init.add_argument("--tokenizer", default=None, help="folder whose tokenizer files are copied in")
     p_init.add_argument("--seed", type=int, default=0, help="the initialisation's random seed (default 0)")
     p_init.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="the saved weights' dtype")
@@ -63,10 +68,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.cmd == "init":
         try:
-            init_hf(args.out_dir, args.flavor, args.tokenizer, args.seed, DTYPES[args.dtype], args.device)
+            init_hf(
+                args.out_dir,
+                args.flavor,
+                args.tokenizer,
+                args.seed,
+                DTYPES[args.dtype],
+                args.device,
+                layers=args.layers,
+            )
         except (FileNotFoundError, FileExistsError, ValueError) as e:  # bad input: one line, no traceback
             sys.exit(f"python -m mhar_titan.hf init: {e}")
-        print(f"wrote a random {args.flavor} base checkpoint (seed {args.seed}, {args.dtype}) to {args.out_dir}")
+        depth = f", {args.layers} layers" if args.layers else ""
+        print(f"wrote a random {args.flavor}{depth} base checkpoint (seed {args.seed}, {args.dtype}) to {args.out_dir}")
     elif args.cmd == "inspect":
         mhar = MHAR(enable=True, num_blocks=args.num_blocks, num_heads=args.num_heads) if args.mhar else None
         try:

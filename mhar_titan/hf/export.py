@@ -152,16 +152,26 @@ def init_hf(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     log: Callable[[str], None] = print,
+    layers: int | None = None,
 ) -> None:
-    """A randomly initialised base checkpoint of a train-spec flavor (the demo's base, size-true smoke
-    tests). `device="cuda"` initialises an 8B model in seconds instead of minutes. The output folder,
-    the flavor and the tokenizer folder are checked before the model is built (minutes at 8B on CPU)."""
+    """A randomly initialised base checkpoint of a train-spec flavor, or of the architecture of an HF checkpoint
+    folder's config.json (the demo's base, size-true smoke tests, the preflight's base), `layers` deep if given.
+    `device="cuda"` initialises an 8B model in seconds instead of minutes. The output folder, the architecture
+    and the tokenizer folder are checked before the model is built (minutes at 8B on CPU)."""
     check_new_output(out_dir, "write")
-    if flavor not in FLAVORS or flavor == "hf":
-        raise ValueError(f"flavor {flavor!r}: expected one of {', '.join(f for f in FLAVORS if f != 'hf')}")
+    if os.path.isdir(flavor):
+        args = model_args_from_hf_config(read_json(join(flavor, "config.json")), join(flavor, "config.json"))
+    elif flavor in FLAVORS and flavor != "hf":
+        args = copy.deepcopy(FLAVORS[flavor])
+    else:
+        names = ", ".join(f for f in FLAVORS if f != "hf")
+        raise ValueError(f"flavor {flavor!r}: expected one of {names}, or an HF checkpoint folder with config.json")
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers {layers}: must be positive")
+        args.n_layers = layers
     if tokenizer_dir and not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
         raise FileNotFoundError(f"{os.path.join(tokenizer_dir, 'tokenizer.json')}: not found (the tokenizer to copy)")
-    args = copy.deepcopy(FLAVORS[flavor])
     args.mhar = MHAR()
     torch.manual_seed(seed)
     model = build_initialised(args, device)

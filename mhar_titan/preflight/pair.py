@@ -1,0 +1,216 @@
+"""The preflight's pair, as a user runs it: each arm from the base through launch/torchrun.sh, a checkpoint
+midway, the job SIGKILLed a few steps after it (its process group, as a scheduler kills a job), relaunched with
+the same command, and the resumed steps compared with what the killed job had logged, bit for bit.
+
+The killed job's scalars are read right after the kill: the relaunch purges the lost timeline's events past its
+checkpoint (the TensorBoard run stays one timeline), so afterwards only the resumed values are there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from mhar_titan.components.checkpoint import complete_steps
+from mhar_titan.components.tensorboard_scalars import load_scalars
+
+REPO = Path(__file__).resolve().parents[2]
+LOGGED_STEP = re.compile(r"step (\d+)/\d+\s+loss")
+RESUMED_FROM = re.compile(r"resumes from its checkpoint .*\(step (\d+)\)")
+# What a resumed step must reproduce: the loss and its parts, the gradient norm, every LR, the tokens and every
+# data counter (the loader's position); not the timings and memory, which differ between any two jobs.
+COMPARED = ("train/loss", "train/ce", "train/z_loss", "train/loss_max", "grad_norm", "tokens_seen")
+COMPARED_PREFIXES = ("lr/", "data/", "mhar")
+FORWARD = ("train/loss", "train/ce", "train/z_loss", "train/loss_max")
+COUNTERS = ("lr/", "data/", "tokens_seen")
+
+Scalars = dict[str, dict[int, float]]
+
+
+class JobFailed(RuntimeError):
+    """A job of the pair that did not do what the preflight needs: one line naming the arm, the job and its log."""
+
+
+@dataclasses.dataclass
+class PairSettings:
+    steps: int  # per arm
+    checkpoint_at: int
+    kill_after: int  # the killed job is SIGKILLed once it has logged this step
+    nproc: int
+    pair: Path  # runs/preflight/<timestamp>/pair
+    logs: Path
+    python: str
+    timeout_s: float = 1800.0
+
+
+def job_command(config: str, arm: str, launch_id: str, s: PairSettings, overrides: list[str]) -> list[str]:
+    return [
+        "bash",
+        str(REPO / "launch" / "torchrun.sh"),
+        "--nproc",
+        str(s.nproc),
+        "--launch-id",
+        launch_id,
+        config,
+        *overrides,
+        "--job.dump_folder",
+        str(s.pair / arm),
+    ]
+
+
+def _env(python: str) -> dict[str, str]:
+    return {**os.environ, "PYTHON": python, "HF_HUB_OFFLINE": "1"}
+
+
+def last_logged_step(log: Path) -> int:
+    steps = [int(m[1]) for m in LOGGED_STEP.finditer(log.read_text(errors="replace"))] if log.exists() else []
+    return max(steps, default=0)
+
+
+def _error_line(log: Path) -> str:
+    """The log's own error line, if the job wrote one (refusals are one line), else its last line."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    errors = [line for line in lines if " - ERROR - " in line or "Error:" in line]
+    return (errors or lines or ["(empty log)"])[-1].strip()[-300:]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_killed(config: str, arm: str, s: PairSettings, overrides: list[str]) -> dict[str, Any]:
+    """The first job: trains past the checkpoint, then its launcher's process group gets SIGKILL."""
+    log = s.logs / f"{arm}-killed.log"
+    cmd = job_command(config, arm, f"preflight-{arm}-1", s, overrides)
+    began = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(s.python), start_new_session=True)
+    folder = str(s.pair / arm / "checkpoint")
+    try:
+        while True:
+            time.sleep(0.25)
+            if proc.poll() is not None:
+                raise JobFailed(
+                    f"{arm}: the first job exited ({proc.returncode}) at step {last_logged_step(log)} before it could "
+                    f"be killed after step {s.kill_after}: {_error_line(log)} (log: {log})"
+                )
+            if time.monotonic() - began > s.timeout_s:
+                raise JobFailed(
+                    f"{arm}: the first job did not reach step {s.kill_after} in {s.timeout_s:.0f} s (log: {log})"
+                )
+            step = last_logged_step(log)
+            if step >= s.kill_after and s.checkpoint_at in complete_steps(folder):
+                break
+    finally:
+        _kill_group(proc)
+    seconds = time.monotonic() - began
+    scalars = load_scalars(s.pair / arm)
+    (s.logs / f"{arm}-killed-scalars.json").write_text(json.dumps(scalars))
+    return {
+        "seconds": seconds,
+        "killed_at": max(scalars.get("train/loss", {0: 0})),
+        "scalars": scalars,
+        "log": str(log),
+    }
+
+
+def run_resumed(config: str, arm: str, s: PairSettings, overrides: list[str], drop_loaded: bool) -> dict[str, Any]:
+    """The relaunch: the same command; it must resume from the checkpoint and train to the last step. With
+    `drop_loaded`, the checkpoint it resumed from is deleted once it has started training (it is never read again):
+    the scratch disk then holds one checkpoint of the arm at a time, not two (2 x 45 GB at the 8B width, 8 layers)."""
+    log = s.logs / f"{arm}-resumed.log"
+    cmd = job_command(config, arm, f"preflight-{arm}-2", s, overrides)
+    began = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(s.python), start_new_session=True)
+    loaded = s.pair / arm / "checkpoint" / f"step-{s.checkpoint_at}"
+    started = f"Training starts at step {s.checkpoint_at + 1}"
+    try:
+        while (code := proc.poll()) is None:
+            time.sleep(0.25)
+            if time.monotonic() - began > s.timeout_s:
+                raise JobFailed(f"{arm}: the resumed job did not finish in {s.timeout_s:.0f} s (log: {log})")
+            if drop_loaded and loaded.exists() and started in log.read_text(errors="replace"):
+                shutil.rmtree(loaded)
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc)
+    seconds = time.monotonic() - began
+    if code != 0:
+        raise JobFailed(f"{arm}: the resumed job exited {code}: {_error_line(log)} (log: {log})")
+    text = log.read_text(errors="replace")
+    resumed = [int(m[1]) for m in RESUMED_FROM.finditer(text)]
+    if resumed != [s.checkpoint_at]:
+        raise JobFailed(
+            f"{arm}: the relaunch did not resume from the step-{s.checkpoint_at} checkpoint "
+            f"(its log says {resumed or 'no resume'}; log: {log})"
+        )
+    return {"seconds": seconds, "scalars": load_scalars(s.pair / arm), "log": str(log)}
+
+
+def compared_tags(scalars: Scalars) -> list[str]:
+    return sorted(t for t in scalars if t in COMPARED or t.startswith(COMPARED_PREFIXES))
+
+
+def resume_check(killed: Scalars, resumed: Scalars, checkpoint_at: int) -> dict[str, Any]:
+    """Every compared value of every step the killed job logged after its checkpoint, against the resumed job's."""
+    steps = sorted(s for s in killed.get("train/loss", {}) if s > checkpoint_at)
+    tags = compared_tags(killed)
+    differ = []
+    for tag in tags:
+        for step in steps:
+            if step in killed[tag] and killed[tag][step] != resumed.get(tag, {}).get(step):
+                differ.append(
+                    {"step": step, "tag": tag, "killed": killed[tag][step], "resumed": resumed.get(tag, {}).get(step)}
+                )
+    loss_rel = [
+        abs(resumed["train/loss"][s] - killed["train/loss"][s]) / abs(killed["train/loss"][s])
+        for s in steps
+        if s in resumed.get("train/loss", {}) and killed["train/loss"][s]
+    ]
+    loss_abs = [
+        abs(resumed["train/loss"][s] - killed["train/loss"][s]) for s in steps if s in resumed.get("train/loss", {})
+    ]
+    first = steps[0] if steps else None
+    return {
+        # the first resumed step's loss comes from the restored weights and data alone: it must be identical
+        "first_step_identical": not any(d["step"] == first and d["tag"] in FORWARD for d in differ),
+        # the counters (LR, tokens, the loader's position) follow the step, not the arithmetic
+        "counters_identical": not any(d["tag"].startswith(COUNTERS) for d in differ),
+        "max_abs_loss_diff": max(loss_abs, default=None),
+        "steps": steps,
+        "tags": len(tags),
+        "values": sum(len([s for s in steps if s in killed[t]]) for t in tags),
+        "equal": bool(steps) and not differ,
+        "differ": differ[:20],
+        "differing_values": len(differ),
+        "first_differing_step": min((d["step"] for d in differ), default=None),
+        "max_rel_loss_diff": max(loss_rel, default=None),
+    }
+
+
+def harmonic_rate(series: dict[int, float], first: int, last: int) -> float | None:
+    """Tokens over time across steps first..last (periodic work such as the EMA counts at its real share)."""
+    values = [v for s, v in series.items() if first <= s <= last and v > 0]
+    return len(values) / sum(1 / v for v in values) if values else None
+
+
+def gates_moved(scalars: Scalars) -> float | None:
+    """The largest |gate| of any routing site at the last step the MHAR arm logged its routing statistics."""
+    gates = {t: v for t, v in scalars.items() if re.fullmatch(r"mhar_(attn|ffn)_gate/layer\d+", t) and v}
+    if not gates:
+        return None
+    last = max(max(v) for v in gates.values())
+    return max(abs(v[last]) for v in gates.values() if last in v)
