@@ -41,21 +41,23 @@ def test_the_whole_pipeline_passes_on_cpu_ranks(full):
     table = rows(done.stdout)
     assert sorted(table) == list("abcdefghi")
     assert all(result == "PASS" for result, _ in table.values()), table
-    assert "bitwise" in table["d"][1]
     report = (root / "report.md").read_text()
     assert report.startswith(f"# Preflight {root.name}: PASS")
     assert "| d. pair: train, kill, resume | **PASS** |" in report
     assert "Evaluation (lm-evaluation-harness)" in (root / "pair" / "compare" / "report.md").read_text()
 
 
-def test_the_pair_was_killed_and_resumed_as_a_user_would_see_it(full):
-    _, root = full
+def test_the_mhar_arm_was_killed_and_resumed_as_a_user_would_see_it(full):
+    done, root = full
+    killed = (root / "logs" / "mhar-killed.log").read_text()
+    resumed = (root / "logs" / "mhar-resumed.log").read_text()
+    assert "Training starts at step 1\n" in killed
+    assert "resumes from its checkpoint" in resumed and "(step 20)" in resumed
+    assert "Training starts at step 21" in resumed and "step 40/40" in resumed
+    control = (root / "logs" / "control-uninterrupted.log").read_text()  # the default --kill mhar
+    assert "Training starts at step 1\n" in control and "step 40/40" in control and "resumes" not in control
+    assert "mhar steps 21-30 bitwise" in rows(done.stdout)["d"][1] and "control uninterrupted" in done.stdout
     for arm in ("control", "mhar"):
-        killed = (root / "logs" / f"{arm}-killed.log").read_text()
-        resumed = (root / "logs" / f"{arm}-resumed.log").read_text()
-        assert "Training starts at step 1" in killed
-        assert "resumes from its checkpoint" in resumed and "(step 20)" in resumed
-        assert "Training starts at step 21" in resumed and "step 40/40" in resumed
         assert not (root / "pair" / arm / "checkpoint").exists()  # scratch removed afterwards
     assert not (root / "exports").exists() and not (root / "base").exists()
 

@@ -55,6 +55,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: every visible GPU, or 2 CPU processes)")
     p.add_argument("--steps", type=int, default=40, help="training steps an arm (default 40; checkpoint at half)")
     p.add_argument("--layers", type=int, default=None, help="the depth when the full one does not fit")
+    p.add_argument(
+        "--kill",
+        choices=("mhar", "both"),
+        default="mhar",
+        help="the arms checkpointed midway, SIGKILLed and resumed (default mhar: its state holds the control's; "
+        "the control then trains once, uninterrupted)",
+    )
     p.add_argument("--out", default="runs/preflight", help="reports go to OUT/<timestamp>/ (default runs/preflight)")
     p.add_argument("--checkpoints", default=None, help="a folder on another file system for the pair's checkpoints")
     p.add_argument("--tasks", default="mhar_tiny_cloze", help="lm-eval tasks (default: the offline demo task)")
@@ -107,6 +114,7 @@ class Preflight:
         if "h" in wanted:
             wanted |= {"g"}
         self.wanted = wanted
+        self.kill = ARMS if args.kill == "both" else ("mhar",)
         if args.steps < 8:
             raise ValueError(f"--steps {args.steps}: at least 8 (a checkpoint at half, a kill after it, a resume)")
         paths = (args.control, args.mhar)
@@ -225,13 +233,18 @@ class Preflight:
             overrides = self.pair_overrides(base, s)
             arms = {}
             for arm, path in zip(ARMS, (self.args.control, self.args.mhar), strict=True):
-                killed = run_killed(path, arm, s, overrides)
-                resumed = run_resumed(path, arm, s, overrides, drop_loaded=not self.args.keep)
-                arms[arm] = {"killed": killed, "resumed": resumed,
-                             "resume": resume_check(killed["scalars"], resumed["scalars"], s.checkpoint_at),
+                if arm in self.kill:
+                    killed = run_killed(path, arm, s, overrides)
+                    resumed = run_resumed(path, arm, s, overrides, drop_loaded=not self.args.keep)
+                    check = resume_check(killed["scalars"], resumed["scalars"], s.checkpoint_at)
+                else:  # one job, its only checkpoint the last step's (for the exports)
+                    once = [*overrides, "--checkpoint.interval", str(s.steps)]
+                    killed = resumed = run_resumed(path, arm, s, once, drop_loaded=False, resumes=False)
+                    check = None
+                arms[arm] = {"killed": killed, "resumed": resumed, "resume": check,
                              "gates": gates_moved(resumed["scalars"]) if arm == "mhar" else None}  # fmt: skip
                 # The arm's exports now, from its last checkpoint, then its checkpoints go: one arm's two
-                # checkpoints at a time on the scratch disk (2 x 45 GB at the 8B width cut to 8 layers).
+                # checkpoints at a time on the scratch disk.
                 exporting = time.monotonic()
                 if "g" in self.wanted:
                     self.export_arm(arm, s)

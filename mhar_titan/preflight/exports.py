@@ -63,7 +63,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _free(device: torch.device) -> None:
-    """Give a dropped model's memory back before the next one is built (each is ~11 GB at the 8B width, 8 layers)."""
+    """Give a dropped model's memory back before the next one is built (four fp32 models in turn)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -126,7 +126,9 @@ def check_export(pair: Path, out: Path, arm: str, weights: str, step: int, devic
     run, folder = pair / arm, out / f"{arm}-{weights}"
     shutil.rmtree(folder, ignore_errors=True)  # an earlier preflight's, into the same OUT
     began = time.perf_counter()
-    export_run(str(run), str(folder), step=step, ema=weights == "ema", dtype=dtype,
+    # The checkpoint's files are verified against their checksums once per arm, by its first export: the EMA's
+    # export reads the same files.
+    export_run(str(run), str(folder), step=step, ema=weights == "ema", dtype=dtype, verify=weights == WEIGHTS[0],
                log=lambda line: print(f"[exports] {arm}-{weights}: {line}", flush=True))  # fmt: skip
     entry["export_seconds"] = round(time.perf_counter() - began, 2)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]

@@ -126,12 +126,15 @@ def run_killed(config: str, arm: str, s: PairSettings, overrides: list[str]) -> 
     }
 
 
-def run_resumed(config: str, arm: str, s: PairSettings, overrides: list[str], drop_loaded: bool) -> dict[str, Any]:
+def run_resumed(
+    config: str, arm: str, s: PairSettings, overrides: list[str], drop_loaded: bool, resumes: bool = True
+) -> dict[str, Any]:
     """The relaunch: the same command; it must resume from the checkpoint and train to the last step. With
     `drop_loaded`, the checkpoint it resumed from is deleted once it has started training (it is never read again):
-    the scratch disk then holds one checkpoint of the arm at a time, not two (2 x 45 GB at the 8B width, 8 layers)."""
-    log = s.logs / f"{arm}-resumed.log"
-    cmd = job_command(config, arm, f"preflight-{arm}-2", s, overrides)
+    the scratch disk then holds one checkpoint of the arm at a time, and the one being written. With `resumes`
+    false, the arm's one uninterrupted job, which must start from the base."""
+    log = s.logs / f"{arm}-{'resumed' if resumes else 'uninterrupted'}.log"
+    cmd = job_command(config, arm, f"preflight-{arm}-{2 if resumes else 1}", s, overrides)
     began = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(s.python), start_new_session=True)
@@ -152,7 +155,10 @@ def run_resumed(config: str, arm: str, s: PairSettings, overrides: list[str], dr
         raise JobFailed(f"{arm}: the resumed job exited {code}: {_error_line(log)} (log: {log})")
     text = log.read_text(errors="replace")
     resumed = [int(m[1]) for m in RESUMED_FROM.finditer(text)]
-    if resumed != [s.checkpoint_at]:
+    if not resumes:
+        if resumed or "Training starts at step 1\n" not in text:
+            raise JobFailed(f"{arm}: the job did not start from the base at step 1 (log: {log})")
+    elif resumed != [s.checkpoint_at]:
         raise JobFailed(
             f"{arm}: the relaunch did not resume from the step-{s.checkpoint_at} checkpoint "
             f"(its log says {resumed or 'no resume'}; log: {log})"

@@ -50,6 +50,12 @@ def pair_stage(
         val = r["resumed"]["scalars"].get("val/ce", {})
         if 0 not in val or s.steps not in val:
             problems.append(f"{arm}: validation at steps {sorted(val)}, expected 0 and {s.steps}")
+        if check is None:
+            figures.append(f"{arm} uninterrupted")
+            details.append(
+                f"- {arm}: one job from the base to step {s.steps}, not killed (`--kill both` kills it too)."
+            )
+            continue
         steps = check["steps"]
         span = f"steps {steps[0]}-{steps[-1]}" if steps else "no step"
         why = None if check["equal"] else explained(check, r["killed"]["scalars"].get("train/loss", {}), attention)
@@ -81,7 +87,9 @@ def pair_stage(
         problems.append("mhar: the routing gates did not move (no gate statistics, or all gates still 0)")
     else:
         details.append(f"- mhar: largest |gate| at the last statistics step: {moved:.3g} (0 at init).")
-    figure = f"{depth}; {s.steps} steps an arm, SIGKILL after step-{s.checkpoint_at} checkpoint; " + ", ".join(figures)
+    figure = f"{depth}; {s.steps} steps an arm, SIGKILL after the step-{s.checkpoint_at} checkpoint; " + ", ".join(
+        figures
+    )
     if problems:
         details += [f"- **{p}**" for p in problems]
         figure = "; ".join(problems)
