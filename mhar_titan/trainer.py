@@ -36,6 +36,7 @@ from mhar_titan.components.step_metrics import (
     flush,
     log_scalars,
     one_tensorboard_run,
+    rank_peaks,
     throughput,
     to_device_nowait,
 )
@@ -331,6 +332,7 @@ class CPTTrainer(RunFolder, Trainer):
             metrics.update({"train/ce": ce / tokens, "train/z_loss": z / tokens})
         metrics.update({f"lr/{name}": lr for name, lr in lrs.items()})
         metrics.update(throughput(mp))
+        metrics.update(rank_peaks(metrics["memory/peak_active_gib"], self.device))
         metrics.update(self.memory_phases.take())
         log_scalars(mp.logger, metrics, self.step)
         flush(mp)

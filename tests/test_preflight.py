@@ -30,7 +30,7 @@ def rows(stdout: str) -> dict[str, tuple[str, str]]:
 @pytest.fixture(scope="module")
 def full(tmp_path_factory):
     out = tmp_path_factory.mktemp("preflight")
-    done = preflight(out, "--limit", "8")
+    done = preflight(out, "--limit", "8", "--checkpoints", str(out / "scratch"))
     (report,) = out.glob("*/report.md")
     return done, report.parent
 
@@ -41,6 +41,7 @@ def test_the_whole_pipeline_passes_on_cpu_ranks(full):
     table = rows(done.stdout)
     assert sorted(table) == list("abcdefghi")
     assert all(result == "PASS" for result, _ in table.values()), table
+    assert re.search(r"peak control [\d.]+ GiB \(rank [01]\), mhar [\d.]+ GiB \(rank [01]\)", table["e"][1])
     report = (root / "report.md").read_text()
     assert report.startswith(f"# Preflight {root.name}: PASS")
     assert "| d. pair: train, kill, resume | **PASS** |" in report
@@ -59,6 +60,8 @@ def test_the_mhar_arm_was_killed_and_resumed_as_a_user_would_see_it(full):
     assert "mhar steps 21-30 bitwise" in rows(done.stdout)["d"][1] and "control uninterrupted" in done.stdout
     for arm in ("control", "mhar"):
         assert not (root / "pair" / arm / "checkpoint").exists()  # scratch removed afterwards
+        assert not (root.parent / "scratch" / f"{root.name}-{arm}").exists()  # --checkpoints: there, and removed
+    assert (root.parent / "scratch").is_dir()
     assert not (root / "exports").exists() and not (root / "base").exists()
 
 
@@ -130,7 +133,7 @@ def test_memory_beyond_the_plan_by_more_than_5_percent_fails():
     arms = {"control": arm(60.0), "mhar": arm(61.0)}
     assert speed_memory_stage(arms, {"control": 59.0, "mhar": 60.5}, S).ok
     stage = speed_memory_stage(arms, {"control": 59.0, "mhar": 57.0}, S)
-    assert not stage.ok and "mhar peak 61.00 GiB is +7.0% off the plan" in stage.figure
+    assert not stage.ok and "mhar peak 61.00 GiB (rank 0) is +7.0% off the plan" in stage.figure
 
 
 def test_a_resume_off_in_the_last_bits_is_explained_only_by_a_measured_cause():

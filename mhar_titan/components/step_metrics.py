@@ -35,6 +35,19 @@ def throughput(mp: MetricsProcessor) -> dict[str, float]:
     return out
 
 
+def rank_peaks(peak_active_gib: float, device: torch.device) -> dict[str, float]:
+    """The largest peak active memory over all ranks since the last log step, and the rank that had it: only
+    rank 0 writes TensorBoard, and ranks need not peak alike (a collective, at log steps only)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return {"memory/peak_active_gib_max": peak_active_gib, "memory/peak_active_rank": 0}
+    mine = torch.tensor([peak_active_gib], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(every, mine)
+    values = [float(t) for t in every]
+    rank = max(range(len(values)), key=values.__getitem__)
+    return {"memory/peak_active_gib_max": values[rank], "memory/peak_active_rank": rank}
+
+
 class MemoryPhases:
     """Device memory allocated at the step's phase boundaries (after the model's forward, after the
     backward, after the optimizer), the largest value of each since the last log step, in GiB:

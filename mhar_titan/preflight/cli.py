@@ -149,7 +149,7 @@ class Preflight:
         t = cfg.training
         attention = f"{t.local_batch_size},{geo.heads},{t.seq_len},{geo.dim // geo.heads}"
         geometry = dict(dim=geo.dim, num_heads=cfg.mhar.num_heads, max_sources=cfg.mhar.num_blocks + 1, tokens=tokens,
-                        gemm_hidden=geo.hidden, attention=attention)  # fmt: skip
+                        gemm_hidden=geo.hidden, block_elements=geo.layer_params, attention=attention)  # fmt: skip
         (self.root / "probe").mkdir(parents=True, exist_ok=True)
         rows = _probe(self.root / "probe", self.nproc, self.cuda, geometry)
         for r in rows:

@@ -1,7 +1,7 @@
 """Whether the attention backward is repeatable bit for bit on this rank: the one kernel of the training step
 that torch runs nondeterministically by default on GPUs (cuDNN's and flash attention's backward accumulate with
 atomics). A resume that reproduces the first resumed step exactly but drifts in the last bits afterwards is
-explained by it; `--debug.deterministic` (torch's deterministic algorithms) makes it repeatable, at a cost."""
+explained by it. torchtitan's `--debug.deterministic` switches torch to its deterministic algorithms, at a cost."""
 
 from __future__ import annotations
 

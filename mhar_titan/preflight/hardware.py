@@ -3,7 +3,7 @@
 - A GEMM at the 8B MLP shapes, tokens x dim @ dim x gemm_hidden (bf16 on a GPU, timed with CUDA
   events after warm-up; fp32 on CPU, timed with the host clock): TFLOP/s, 2 * T * D * F flops.
 - The two collectives of FSDP2's step, over the whole world: all-gather of one transformer
-  block's parameters in bf16 (dim * dim * 4 + 3 * dim * gemm_hidden elements, each rank holding
+  block's parameters in bf16 (--block-elements, the model's count, from the driver; each rank holding
   1 / n of them) and reduce-scatter of their fp32 gradients. Bandwidths follow nccl-tests:
   algbw = the full tensor's bytes / time, busbw = algbw * (n - 1) / n (0 on one rank, where the
   collectives move nothing and are timed only to show they run).
@@ -35,7 +35,8 @@ def default_gemm_hidden(dim: int, device: torch.device) -> int:
 
 
 def block_elements(dim: int, gemm_hidden: int) -> int:
-    """One transformer block's parameters: four dim x dim attention projections, three MLP matrices."""
+    """About one transformer block's parameters without grouped-query attention: four dim x dim attention
+    projections, three MLP matrices (the driver passes the model's exact count, --block-elements)."""
     return dim * dim * 4 + 3 * dim * gemm_hidden
 
 
@@ -104,7 +105,9 @@ def collective(name: str, elements: int, device: torch.device) -> dict[str, Any]
     }
 
 
-def measure(tokens: int, dim: int, gemm_hidden: int | None, device: torch.device) -> dict[str, Any]:
+def measure(
+    tokens: int, dim: int, gemm_hidden: int | None, device: torch.device, elements: int | None = None
+) -> dict[str, Any]:
     """Stage c on this rank: the GEMM, then both collectives (every rank must call this: they are collective).
     On CPU a collective gloo cannot run is recorded as unsupported, not raised."""
     start = time.perf_counter()
@@ -122,7 +125,8 @@ def measure(tokens: int, dim: int, gemm_hidden: int | None, device: torch.device
         raise failure
     if not ready.item():
         raise RuntimeError("collectives skipped: another rank's GEMM failed (its file says why)")
-    elements = block_elements(dim, hidden)
+    elements = elements or block_elements(dim, hidden)
+    result["block_elements"] = elements
     for name in ("all_gather", "reduce_scatter"):
         try:
             result[name] = collective(name, elements, device)

@@ -72,6 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "bit (determinism.py); default: not checked",
     )
     parser.add_argument(
+        "--block-elements",
+        type=int,
+        default=None,
+        help="parameters of one transformer block, the collectives' size (default: 4 dim^2 + 3 dim x gemm-hidden)",
+    )
+    parser.add_argument(
         "--gemm-hidden", type=int, default=None, help="GEMM output width (default: 14336 on a GPU, 3.5 x dim on CPU)"
     )
     args = parser.parse_args(argv)
@@ -225,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     sections = {
         "environment": lambda: environment(rank, local_rank, world_size, device),
         "kernels": lambda: check_kernels(args.dim, args.num_heads, args.max_sources, args.tokens, device),
-        "hardware": lambda: measure(args.tokens, args.dim, args.gemm_hidden, device),
+        "hardware": lambda: measure(args.tokens, args.dim, args.gemm_hidden, device, args.block_elements),
     }
     if args.attention:
         sections["attention"] = lambda: attention_repeatable(*args.attention, device)

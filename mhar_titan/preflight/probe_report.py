@@ -258,7 +258,7 @@ def kernel_stage(records: dict[int, dict[str, Any]], problems: list[str], second
                 else f"the backward differs between runs (largest |dq| difference {worst_dq:.3g}, max |dq| "
                 f"{a['dq_scale']:.3g}) on ranks {_ranks(r for r in attention if r not in same)}: its kernels "
                 "accumulate in a varying order, so no two runs of the training step are bitwise equal here "
-                "(`--debug.deterministic` makes them)."
+                "(`--debug.deterministic` asks torch for deterministic algorithms)."
             ),
         ]
     if problems or not kernels:

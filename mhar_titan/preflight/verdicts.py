@@ -35,7 +35,7 @@ def explained(check: dict[str, Any], losses: dict[int, float], attention: dict[s
         f"relative, {check['max_abs_loss_diff'] / noise:.2g} of the batch noise {noise:.3g}), because the attention "
         f"backward is not repeatable on these GPUs (stage b: two runs on the same input differ by up to "
         f"{attention['max_dq_diff']:.2g} in dq, max |dq| {attention['dq_scale']:.3g}): no two runs are bitwise "
-        "equal here, resumed or not; `--debug.deterministic` makes them"
+        "equal here, resumed or not (`--debug.deterministic` asks torch for deterministic algorithms)"
     )
 
 
@@ -103,15 +103,19 @@ def pair_stage(
 def speed_memory_stage(arms: dict[str, dict[str, Any]], plan_peaks: dict[str, float] | None, s: Any) -> Stage:
     """e: each arm's tokens/s over its first job's steady steps and the ratio; each arm's peak active memory
     (over both jobs, validation and checkpoints included) against the memory plan, on GPUs."""
-    rates, peaks = {}, {}
+    rates, peaks, where = {}, {}, {}
     for arm, r in arms.items():
         killed = r["killed"]["scalars"]
         rates[arm] = harmonic_rate(killed.get("tokens_per_s", {}), WARMUP_STEPS + 1, s.checkpoint_at)
-        series = {
-            **killed.get("memory/peak_active_gib", {}),
-            **r["resumed"]["scalars"].get("memory/peak_active_gib", {}),
+        # every rank's peak (the largest, and whose): rank 0 alone writes TensorBoard
+        tag = "memory/peak_active_gib_max" if "memory/peak_active_gib_max" in killed else "memory/peak_active_gib"
+        series = {**killed.get(tag, {}), **r["resumed"]["scalars"].get(tag, {})}
+        ranks = {
+            **killed.get("memory/peak_active_rank", {}),
+            **r["resumed"]["scalars"].get("memory/peak_active_rank", {}),
         }
         peaks[arm] = max(series.values(), default=None)
+        where[arm] = int(ranks[max(series, key=series.__getitem__)]) if ranks and series else 0
     ratio = rates["mhar"] / rates["control"] if rates.get("control") and rates.get("mhar") else None
     details = [
         f"- tokens/s per device over steps {WARMUP_STEPS + 1}-{s.checkpoint_at} of each arm's first job: "
@@ -128,11 +132,16 @@ def speed_memory_stage(arms: dict[str, dict[str, Any]], plan_peaks: dict[str, fl
                 problems.append(f"{arm}: no memory figure logged")
                 continue
             off = got / want - 1
-            details.append(f"- {arm}: peak active {got:.2f} GiB, the plan {want:.2f} GiB ({off:+.1%})")
+            details.append(
+                f"- {arm}: peak active {got:.2f} GiB (rank {where[arm]}, the largest of every rank's over both jobs), "
+                f"the plan {want:.2f} GiB ({off:+.1%})"
+            )
             if abs(off) > MEMORY_TOLERANCE:
-                problems.append(f"{arm} peak {got:.2f} GiB is {off:+.1%} off the plan's {want:.2f} GiB")
+                problems.append(
+                    f"{arm} peak {got:.2f} GiB (rank {where[arm]}) is {off:+.1%} off the plan's {want:.2f} GiB"
+                )
     tps = ", ".join(f"{a} {v:,.0f} tok/s" for a, v in rates.items() if v)
-    mem = ", ".join(f"{a} {v:.1f} GiB" for a, v in peaks.items() if v is not None)
+    mem = ", ".join(f"{a} {v:.1f} GiB (rank {where[a]})" for a, v in peaks.items() if v is not None)
     figure = f"{tps}; MHAR/control {ratio:.3f}; peak {mem}" if ratio else f"{tps}; peak {mem}"
     if plan_peaks is not None:
         figure += " (plan " + ", ".join(f"{plan_peaks[a]:.1f}" for a in arms) + ")"
