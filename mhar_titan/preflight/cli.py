@@ -172,9 +172,11 @@ class Preflight:
         geo = plan.geometry(self.plan_cfg, 1, True, self.layers)
         ema = self.cfgs["control"].ema.enable
         self.checkpoint_bytes = geo.params * (4 + 8 + (4 if ema else 0))
-        where = Path(self.args.checkpoints) if self.args.checkpoints else self.root
-        checks.check_room(where, 2 * self.checkpoint_bytes, "two checkpoints of one arm", "--checkpoints DIR")
-        checks.check_room(self.root, geo.params * (4 * 4 + 2), "exports and base", "--out DIR")
+        if "d" in self.wanted:
+            where = Path(self.args.checkpoints) if self.args.checkpoints else self.root
+            checks.check_room(where, 2 * self.checkpoint_bytes, "two checkpoints of one arm", "--checkpoints DIR")
+            width = 2 if self.cuda else 4  # bytes a parameter of the exports and the random base: bf16 on GPUs
+            checks.check_room(self.root, geo.params * width * 5, "four exports and the base", "--out DIR")
 
     def make_base(self) -> tuple[str, float]:
         if not self.base.random:
