@@ -20,6 +20,8 @@ from collections.abc import Iterable
 
 import xxhash
 
+from mhar_titan.components.atomic import write_text
+
 ALGORITHM = "xxh3_128"
 MANIFEST_DIR = "checksums"
 _CHUNK = 16 * 2**20
@@ -46,11 +48,7 @@ def write_manifest(step_dir: str, rank: int) -> str:
     folder = os.path.join(step_dir, MANIFEST_DIR)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"rank-{rank:05d}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump({"rank": rank, "algorithm": ALGORITHM, "files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    write_text(path, json.dumps({"rank": rank, "algorithm": ALGORITHM, "files": files}, indent=1))
     return path
 
 

@@ -29,6 +29,7 @@ from torchtitan.config import JobConfig
 
 from data.mixture import parse_mixture
 from data.stream import shard_keys
+from mhar_titan.components.atomic import write_text
 
 FILE = "fingerprint.json"
 GROUPS = ("model", "base", "data", "schedule")
@@ -292,6 +293,4 @@ def record(folder: str, current: dict[str, Any], step: int, changes: list[str]) 
     if changes:
         history.append({"step": step, "time": time.time(), "changes": changes})
     os.makedirs(folder, exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump({**current, "history": history}, f, indent=2)
-    os.replace(path + ".tmp", path)
+    write_text(path, json.dumps({**current, "history": history}, indent=2))

@@ -22,6 +22,8 @@ import time
 
 from torchtitan.tools.logging import logger
 
+from mhar_titan.components.atomic import write_text
+
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL
 DATA_EXHAUSTED_EXIT_CODE = 66  # EX_NOINPUT: not requeued (a relaunch would stop again at once)
 STOP_FILE = "STOP"
@@ -121,8 +123,6 @@ class PreemptionWatch:
     def mark(self, step: int, reason: str) -> None:
         """Rank 0, after the checkpoint: tell the launcher to requeue."""
         path = os.path.join(self.dump_folder, MARKER_FILE)
-        with open(path + ".tmp", "w") as f:
-            json.dump({"step": step, "reason": reason, "time": time.time()}, f)
-        os.replace(path + ".tmp", path)
+        write_text(path, json.dumps({"step": step, "reason": reason, "time": time.time()}))
         if os.path.exists(self.stop_file):
             os.remove(self.stop_file)

@@ -27,17 +27,13 @@ from typing import Any
 import torch
 from torchtitan.config import JobConfig
 
+from mhar_titan.components.atomic import write_text
+
 MODEL_ARGS_FILE = "model_args.json"
 CONFIG_FILE = "config.resolved.toml"
 ENVIRONMENT_FILE = "environment.json"
 STARTS_FILE = "starts.jsonl"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _atomic_write(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
 
 
 def _toml_value(value: Any, where: str) -> str:
@@ -117,9 +113,9 @@ def record_start(
     start changed on purpose (allow_changes) and applied, old and new values, kept in its starts.jsonl line."""
     folder = job_config.job.dump_folder
     os.makedirs(folder, exist_ok=True)
-    _atomic_write(os.path.join(folder, CONFIG_FILE), to_toml(job_config))
+    write_text(os.path.join(folder, CONFIG_FILE), to_toml(job_config))
     env = environment(world_size)
-    _atomic_write(os.path.join(folder, ENVIRONMENT_FILE), json.dumps(env, indent=2) + "\n")
+    write_text(os.path.join(folder, ENVIRONMENT_FILE), json.dumps(env, indent=2) + "\n")
     start = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "step": step, "world_size": world_size}
     with open(os.path.join(folder, STARTS_FILE), "a") as f:
         f.write(
@@ -135,4 +131,4 @@ def write_model_args(job_config: JobConfig, model_args: Any) -> None:
     base = base if "://" in base else os.path.abspath(base)  # tools may run from another directory
     info = {"hf_assets_path": base, "args": dataclasses.asdict(model_args)}
     os.makedirs(job_config.job.dump_folder, exist_ok=True)
-    _atomic_write(os.path.join(job_config.job.dump_folder, MODEL_ARGS_FILE), json.dumps(info, indent=2))
+    write_text(os.path.join(job_config.job.dump_folder, MODEL_ARGS_FILE), json.dumps(info, indent=2))

@@ -28,6 +28,7 @@ from torchtitan.tools.logging import logger
 from data.loader import Encoder, ValidationLoader, data_config
 from data.mixture import parse_mixture, parse_validation_sets
 from data.shards import list_shards
+from mhar_titan.components.atomic import write_text
 from mhar_titan.components.loss import cross_entropy_sum
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -130,9 +131,7 @@ def write_validation_batches(
             if name == first:
                 record[which] = entry
     path = os.path.join(folder, f"step-{step:08d}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)
+    write_text(path, json.dumps(record))
 
 
 def build_fixed_set_validator(

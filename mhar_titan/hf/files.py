@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from data.partial import clean_stale, sibling
+from mhar_titan.components.atomic import umask
 from mhar_titan.model.args import MHAR
 from mhar_titan.model.hf_config import MHAR_ARCHITECTURE, MHAR_MODEL_TYPE
 
@@ -90,20 +91,6 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
     0600) renamed into place, which teammates on a shared file system could not read."""
     save_file(tensors, path, metadata={"format": "pt"})
     os.chmod(path, 0o666 & ~umask())
-
-
-def umask() -> int:
-    """The process umask, read without changing it where Linux shows it (/proc/self/status)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)  # elsewhere: set and restore (racy only against threads creating files now)
-    os.umask(mask)
-    return mask
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch
 
 from mhar_titan import plan
 from mhar_titan.compare.pair import compare
+from mhar_titan.components.atomic import write_text
 from mhar_titan.preflight import checks, verdicts
 from mhar_titan.preflight.evaluate import eval_stage
 from mhar_titan.preflight.exports import export_stage
@@ -35,7 +36,7 @@ from mhar_titan.preflight.pair import REPO, JobFailed, PairSettings, gates_moved
 from mhar_titan.preflight.probe import gpu_memory_bytes, probe_stages
 from mhar_titan.preflight.probe_report import attention_nondeterminism
 from mhar_titan.preflight.report import report_markdown
-from mhar_titan.preflight.stages import Stage, failed, table, write_atomic
+from mhar_titan.preflight.stages import Stage, failed, table
 
 ARMS = ("control", "mhar")
 STAGE_NAMES = dict(a="environment", b="kernels", c="hardware", d="pair: train, kill, resume", e="speed and memory",
@@ -139,7 +140,7 @@ class Preflight:
 
     def write_report(self) -> None:
         seconds = time.monotonic() - self.began
-        write_atomic(self.root / "report.md", report_markdown(self, self.argv, seconds, socket.gethostname()))
+        write_text(self.root / "report.md", report_markdown(self, self.argv, seconds, socket.gethostname()))
 
     # -- the stages ----------------------------------------------------------------------------------------
 

@@ -31,9 +31,10 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+from mhar_titan.components.atomic import write_text  # noqa: E402
 from mhar_titan.eval.harness import TaskRefused, Tasks, one_line, run_harness  # noqa: E402
 from mhar_titan.eval.pair import ARMS, EvalFailed, evaluate_models, table_rows, write_outputs  # noqa: E402
-from mhar_titan.preflight.stages import Stage, failed, read_result, write_atomic  # noqa: E402
+from mhar_titan.preflight.stages import Stage, failed, read_result  # noqa: E402
 
 WEIGHTS = ("raw", "ema")
 MODELS = tuple(f"{arm}-{weights}" for arm in ARMS for weights in WEIGHTS)
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # for what imports datasets later (the command sets it first)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = args.json or args.exports / "eval.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     tasks = [t for t in args.tasks.split(",") if t]
     result: dict[str, Any] = {
         "pair": str(args.pair),
@@ -211,20 +213,20 @@ def main(argv: list[str] | None = None) -> None:
     try:
         evaluate_exports(args.pair, args.exports, args.step, tasks, args, result)
     except TaskRefused as e:  # nothing ran: a usage error, as in mhar_titan.eval
-        write_atomic(path, json.dumps(result | {"ok": False, "refused": True, "error": str(e)}, indent=2) + "\n")
+        write_text(path, json.dumps(result | {"ok": False, "refused": True, "error": str(e)}, indent=2) + "\n")
         print(f"{PROG}: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as e:
-        write_atomic(path, json.dumps(result | {"ok": False, "error": str(e) or "interrupted"}, indent=2) + "\n")
+        write_text(path, json.dumps(result | {"ok": False, "error": str(e) or "interrupted"}, indent=2) + "\n")
         print(f"{PROG}: {e or 'interrupted'}", file=sys.stderr)
         sys.exit(130)
     except Exception as e:
         error = str(e) if isinstance(e, EvalFailed) else one_line(e)
-        write_atomic(path, json.dumps(result | {"ok": False, "error": error}, indent=2) + "\n")
+        write_text(path, json.dumps(result | {"ok": False, "error": error}, indent=2) + "\n")
         traceback.print_exc()
         sys.exit(f"{PROG}: {error}")
     result["ok"] = not problems(result)
-    write_atomic(path, json.dumps(result, indent=2) + "\n")
+    write_text(path, json.dumps(result, indent=2) + "\n")
     print(f"{PROG}: {'PASS' if result['ok'] else 'FAIL'}: {eval_stage(path, 0.0).figure}; {path}")
 
 

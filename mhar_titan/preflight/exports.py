@@ -40,8 +40,9 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+from mhar_titan.components.atomic import write_text
 from mhar_titan.hf.run import export_run, load_run_checkpoint
-from mhar_titan.preflight.stages import Stage, failed, read_result, write_atomic
+from mhar_titan.preflight.stages import Stage, failed, read_result
 
 ARMS = ("control", "mhar")
 WEIGHTS = ("raw", "ema")
@@ -180,6 +181,7 @@ def run_checks(
         "exports": {},
     }
     name = "setup"
+    path.parent.mkdir(parents=True, exist_ok=True)
     try:
         for arm in arms:
             for weights in WEIGHTS:
@@ -194,7 +196,7 @@ def run_checks(
         result["error"] = f"{name}: {'interrupted' if isinstance(e, KeyboardInterrupt) else one_line(e)}"
         raise
     finally:
-        write_atomic(path, json.dumps(result, indent=2) + "\n")
+        write_text(path, json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -207,7 +209,7 @@ def merge(paths: list[Path], path: Path) -> None:
     errors = [part["error"] for part in parts if part.get("error")]
     if errors:
         result["error"] = "; ".join(errors)
-    write_atomic(path, json.dumps(result, indent=2) + "\n")
+    write_text(path, json.dumps(result, indent=2) + "\n")
 
 
 def _f(x: float | None, fmt: str = ".1e") -> str:

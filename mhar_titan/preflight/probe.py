@@ -36,11 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mhar_titan.components.atomic import write_text
 from mhar_titan.preflight.determinism import attention_repeatable
 from mhar_titan.preflight.hardware import measure
 from mhar_titan.preflight.kernel_check import check_kernels
 from mhar_titan.preflight.probe_report import gpu_memory_bytes, probe_stages
-from mhar_titan.preflight.stages import write_atomic
 
 __all__ = ["environment", "gpu_memory_bytes", "init", "main", "parse_args", "probe_stages", "run"]
 
@@ -212,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"rank-{rank}.json"
     record: dict[str, Any] = {
         "rank": rank,
@@ -225,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     except Exception as e:
         record["error"] = f"process group: {type(e).__name__}: {e}"
         record["traceback"] = traceback.format_exc()
-        write_atomic(path, json.dumps(record, indent=1))
+        write_text(path, json.dumps(record, indent=1))
         return 1
     record["init_seconds"] = time.perf_counter() - start
     sections = {
@@ -239,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         _section(record, name, fn)
         record["seconds"] = time.perf_counter() - start
         # after each section: a rank that torchrun stops (another rank died) keeps what it found
-        write_atomic(path, json.dumps(record, indent=1))
+        write_text(path, json.dumps(record, indent=1))
     try:
         dist.barrier()  # every rank's file is written before any rank (rank 0 first) exits
     except Exception as e:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -58,18 +56,3 @@ def markdown_table(stages: list[Stage]) -> list[str]:
         figure = s.figure.replace("|", "\\|")
         lines.append(f"| {s.key}. {s.name} | **{s.result}** | {figure} | {s.seconds:.0f} s |")
     return lines
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """The file appears whole or not at all (a killed preflight leaves no half report)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
