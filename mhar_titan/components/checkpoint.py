@@ -38,6 +38,7 @@ from mhar_titan.model.state_dict_adapter import OUR_ROUTING
 
 LEDGER_FILE = "load_ledger.json"
 _COMPLETE = ".metadata"  # DCP writes it last: the one rule for "complete", here and in the tools
+_STEP_FOLDER = re.compile(r"step-(\d+)")  # torchtitan's name of a step's checkpoint folder
 
 
 class DamagedCheckpoint(ValueError):
@@ -112,7 +113,7 @@ def complete_steps(folder: str) -> list[int]:
     """Steps with a complete checkpoint (DCP's `.metadata` written), ascending."""
     steps = []
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
-        m = re.fullmatch(r"step-(\d+)", name)
+        m = _STEP_FOLDER.fullmatch(name)
         if m and os.path.isfile(os.path.join(folder, name, _COMPLETE)):
             steps.append(int(m[1]))
     return sorted(steps)
@@ -144,7 +145,7 @@ class CPTCheckpointManager(CheckpointManager):
             if not self.enable:
                 raise ValueError(f"checkpoint.load_step = {step} needs checkpoint.enable = true")
             checkpoint_id = self._create_checkpoint_id(step)
-            if os.path.isfile(os.path.join(checkpoint_id, ".metadata")):
+            if os.path.isfile(os.path.join(checkpoint_id, _COMPLETE)):
                 verify_checkpoint(checkpoint_id)
             loaded = super().load(step)
             logger.info(f"The run resumes from its checkpoint {checkpoint_id} (step {step})")
@@ -154,7 +155,7 @@ class CPTCheckpointManager(CheckpointManager):
             checkpoint_id = self._create_checkpoint_id(candidate)
             error: BaseException | None = None
             try:
-                if os.path.isfile(os.path.join(checkpoint_id, ".metadata")):
+                if os.path.isfile(os.path.join(checkpoint_id, _COMPLETE)):
                     verify_checkpoint(checkpoint_id)
                 super().load(step=candidate)
             except (Exception, CheckpointException) as e:  # DCP's is a BaseException
@@ -190,7 +191,7 @@ class CPTCheckpointManager(CheckpointManager):
         if not os.path.isdir(path):
             raise ValueError(f"base {path!r} (checkpoint.initial_load_path or model.hf_assets_path): not a folder")
         model_only = from_hf or self.initial_load_model_only
-        if not from_hf and os.path.isfile(os.path.join(path, ".metadata")):
+        if not from_hf and os.path.isfile(os.path.join(path, _COMPLETE)):
             verify_checkpoint(path)
         self.dcp_load(
             self._states_to_load(model_only),
@@ -212,7 +213,7 @@ class CPTCheckpointManager(CheckpointManager):
         if self.keep_every > 0:
             keep |= {s for s in complete if s % self.keep_every == 0}
         newest = complete[-1] if complete else -1
-        present = [int(m[1]) for name in os.listdir(self.folder) if (m := re.fullmatch(r"step-(\d+)", name))]
+        present = [int(m[1]) for name in os.listdir(self.folder) if (m := _STEP_FOLDER.fullmatch(name))]
         # complete ones beyond the policy, and unfinished writes older than the newest complete one
         for step in sorted(s for s in present if s not in keep and (s in complete or s < newest)):
             path = self._create_checkpoint_id(step)
@@ -235,7 +236,7 @@ class CPTCheckpointManager(CheckpointManager):
             logger.warning(f"step {step}: checkpointing is off, nothing saved")
             return
         self._async_wait()
-        if os.path.isfile(os.path.join(self._create_checkpoint_id(step), ".metadata")):
+        if os.path.isfile(os.path.join(self._create_checkpoint_id(step), _COMPLETE)):
             return  # the interval save of this step already wrote it
         logger.info(f"Saving a full checkpoint at step {step} now")
         self.dcp_save(
