@@ -129,6 +129,11 @@ class Preflight:
         self.plan_cfg = checks.plan_cfg(args.mhar, overrides, self.base)  # its [mhar] settles the routing geometry
         self.full = self.base.args.n_layers
         self.layers = self.full
+        blocks = self.cfgs["mhar"].mhar.num_blocks
+        if args.layers is not None and (args.layers < 1 or args.layers > self.full or args.layers % blocks):
+            raise ValueError(
+                f"--layers {args.layers}: must be a multiple of [mhar] num_blocks = {blocks}, at most {self.full}"
+            )
 
     def add(self, stage: Stage) -> None:
         """A finished stage: printed, and the report rewritten, so a preflight cut short still says what passed."""

@@ -41,6 +41,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from mhar_titan.components.atomic import write_text
+from mhar_titan.eval.harness import one_line
 from mhar_titan.hf.run import export_run, load_run_checkpoint
 from mhar_titan.preflight.stages import Stage, failed, read_result
 
@@ -51,11 +52,6 @@ PROMPT, NEW_TOKENS, SEED = 16, 8, 0
 MHAR_CLASS, MHAR_TYPE = "MHARLlamaForCausalLM", "mhar_llama"
 KEY, NAME = "g", "exports"
 PROG = "python -m mhar_titan.preflight.exports"
-
-
-def one_line(error: BaseException) -> str:
-    message = " ".join(str(error).split())
-    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 def _sync(device: torch.device) -> None:
