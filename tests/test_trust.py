@@ -10,9 +10,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from mhar_titan.components import fingerprint
+from mhar_titan.components import checksums, fingerprint
 from mhar_titan.components.checkpoint import DamagedCheckpoint, DataOnlyLoadPlanner, verify_checkpoint
-from mhar_titan.components.checksums import MANIFEST_DIR, verify_share, write_manifest
+from mhar_titan.components.checksums import MANIFEST_DIR, verify_share, without_torch_crc32, write_manifest
 from mhar_titan.config import parse_config
 from mhar_titan.model.args import FLAVORS
 from mhar_titan.trainer import CPTTrainer
@@ -59,6 +59,45 @@ def test_files_without_checksums_are_reported_unverified_and_bad_manifests_are_p
     (step / MANIFEST_DIR / "rank-00001.json").write_text('{"rank": 1, "files": []}')
     problems, _ = verify_share(str(step), 0, 1)
     assert "rank-00001.json: not a checksum manifest (KeyError" in problems[0]
+
+
+def test_chunked_checksums_name_the_damaged_bytes_and_older_whole_file_manifests_still_verify(tmp_path, monkeypatch):
+    monkeypatch.setattr(checksums, "CHUNK_BYTES", 300)  # rank 1's 1024-byte file: 4 chunks, the last short
+    step = fake_checkpoint(tmp_path / "step-6")
+    for rank in range(2):
+        write_manifest(str(step), rank)
+    entry = json.loads((step / MANIFEST_DIR / "rank-00001.json").read_text())["files"]["__1_0.distcp"]
+    assert entry["chunk_bytes"] == 300 and len(entry["xxh3_128_chunks"]) == 4
+    assert verify_share(str(step), 0, 1) == ([], [])
+    data = bytearray((step / "__1_0.distcp").read_bytes())
+    data[1000] ^= 0x80  # in the last chunk, bytes 900-1024
+    (step / "__1_0.distcp").write_bytes(bytes(data))
+    problems, _ = verify_share(str(step), 0, 1)
+    assert len(problems) == 1 and "__1_0.distcp: xxh3_128 of bytes 900-1024" in problems[0]
+
+    # A manifest from before the chunks: one digest of the whole file, as written then.
+    old = {"rank": 1, "algorithm": "xxh3_128", "files": {"__1_0.distcp": {"bytes": 1024, "xxh3_128": "0" * 32}}}
+    (step / MANIFEST_DIR / "rank-00001.json").write_text(json.dumps(old))
+    problems, _ = verify_share(str(step), 0, 1)
+    assert len(problems) == 1 and "__1_0.distcp: xxh3_128 " in problems[0] and "0" * 32 in problems[0]
+    old["files"]["__1_0.distcp"]["xxh3_128"] = checksums.file_digest(str(step / "__1_0.distcp"))
+    (step / MANIFEST_DIR / "rank-00001.json").write_text(json.dumps(old))
+    assert verify_share(str(step), 0, 1) == ([], [])
+    old["files"]["__1_0.distcp"] = {"bytes": 1024, "chunk_bytes": 300, "xxh3_128_chunks": ["0" * 32]}
+    (step / MANIFEST_DIR / "rank-00001.json").write_text(json.dumps(old))
+    assert "1 chunk digests for 1024 bytes in chunks of 300" in verify_share(str(step), 0, 1)[0][0]
+
+
+def test_saves_write_without_torch_crc32_and_load_back_exactly(tmp_path):
+    state = {"w": torch.arange(1000.0), "step": 3}
+    before = torch.serialization.get_crc32_options()
+    with without_torch_crc32():
+        assert torch.serialization.get_crc32_options() is False
+        dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    assert torch.serialization.get_crc32_options() == before
+    back = {"w": torch.zeros(1000), "step": 0}
+    dcp.load(back, checkpoint_id=str(tmp_path / "ckpt"), planner=DataOnlyLoadPlanner(), no_dist=True)
+    assert torch.equal(back["w"], state["w"]) and back["step"] == 3
 
 
 class Payload:

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
-from mhar_titan.components.checksums import verify_share, write_manifest
+from mhar_titan.components.checksums import verify_share, without_torch_crc32, write_manifest
 from mhar_titan.components.run_checks import save_failure
 from mhar_titan.hf.ledger import build_ledger
 from mhar_titan.model.state_dict_adapter import OUR_ROUTING
@@ -255,10 +255,11 @@ class CPTCheckpointManager(CheckpointManager):
         enable_garbage_collection: bool = False,
         to_hf: bool = False,
     ) -> Any:
-        """torchtitan's save, then this rank's checksums once its files are written (at once, or when an
-        asynchronous save completes)."""
+        """torchtitan's save (without torch.save's CRC32: our checksums cover the files), then this rank's
+        checksums once its files are written (at once, or when an asynchronous save completes)."""
         try:
-            ret = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+            with without_torch_crc32():
+                ret = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         except (Exception, CheckpointException) as e:  # a full disk reads "unexpected pos" there: say it
             failure = save_failure(checkpoint_id, self.expected_bytes, e)
             if failure is e:

@@ -50,14 +50,17 @@ def checkpoint_step_dir(run_dir: str, step: int | None = None) -> str:
     return os.path.join(folder, f"step-{step}")
 
 
-def load_run_checkpoint(run_dir: str, step: int | None = None, *, ema: bool = False) -> MHARTransformer:
-    """A run's weights at `step` (fp32, CPU, one process), read from its distributed checkpoint.
+def load_run_checkpoint(
+    run_dir: str, step: int | None = None, *, ema: bool = False, device: str | torch.device = "cpu"
+) -> MHARTransformer:
+    """A run's weights at `step` (fp32, one process, on `device`), read from its distributed checkpoint.
 
-    With `ema`, the trainable parameters are the checkpoint's weight EMA instead.
+    With `ema`, the trainable parameters are the checkpoint's weight EMA instead. The model is built on
+    `device` before the read: its initialisation, which the read overwrites, costs seconds on a CPU at 8B width.
     """
     args, _ = run_model_args(run_dir)
     step_dir = checkpoint_step_dir(run_dir, step)
-    model = build_initialised(args)
+    model = build_initialised(args, device)
     state = model.state_dict()
     if ema:
         keys = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata

@@ -134,7 +134,7 @@ def check_export(pair: Path, out: Path, arm: str, weights: str, step: int, devic
     theirs = read_back(folder, arm, batch, entry)
 
     began = time.perf_counter()
-    ours = load_run_checkpoint(str(run), step, ema=weights == "ema").to(device).eval()
+    ours = load_run_checkpoint(str(run), step, ema=weights == "ema", device=device).eval()
     with torch.no_grad():  # the export's rounding, then fp32 arithmetic as transformers' upcast model
         for p in ours.parameters():
             p.copy_(p.to(dtype).float())
