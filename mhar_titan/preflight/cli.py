@@ -14,12 +14,16 @@ console and, with the details, to runs/preflight/<timestamp>/report.md; any FAIL
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +32,11 @@ import torch
 from mhar_titan import plan
 from mhar_titan.compare.pair import compare
 from mhar_titan.components.atomic import write_text
+from mhar_titan.hf.export import init_hf
+from mhar_titan.hf.files import DTYPES
 from mhar_titan.preflight import checks, verdicts
 from mhar_titan.preflight.evaluate import eval_stage
-from mhar_titan.preflight.exports import export_stage
+from mhar_titan.preflight.exports import TOKENS, export_stage, fp32_matmuls, run_checks
 from mhar_titan.preflight.exports import merge as merge_exports
 from mhar_titan.preflight.pair import REPO, JobFailed, PairSettings, gates_moved, resume_check, run_killed, run_resumed
 from mhar_titan.preflight.probe import gpu_memory_bytes, probe_stages
@@ -88,6 +94,25 @@ def _probe(out: Path, nproc: int, cuda: bool, geometry: dict[str, int]) -> list[
     return probe_stages(out, time.monotonic() - began)
 
 
+def _in_process(fn: Callable[[], object], log: Path) -> tuple[int, float]:
+    """(exit code, seconds) of `fn` run here, its output to `log` as a subprocess's would go: a step that needs no
+    process of its own (the base, the exports) saves the ten-odd seconds a GPU process takes to import and start.
+    An exception is its failure (1, the traceback in the log); an interrupt is not caught. The GPU memory it cached
+    is released afterwards (this process keeps only its CUDA context, about half a GiB, during the jobs)."""
+    began = time.monotonic()
+    with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        try:
+            fn()
+            code = 0
+        except Exception:
+            traceback.print_exc()
+            code = 1
+    gc.collect()
+    if torch.cuda.is_initialized():  # the GPU memory this process cached goes back before the next job
+        torch.cuda.empty_cache()
+    return code, time.monotonic() - began
+
+
 def _run(cmd: list[str], log: Path) -> tuple[int, float]:
     began = time.monotonic()
     with open(log, "w") as f:
@@ -138,6 +163,7 @@ class Preflight:
     def add(self, stage: Stage) -> None:
         """A finished stage: printed, and the report rewritten, so a preflight cut short still says what passed."""
         self.stages.append(stage)
+        self.stages.sort(key=lambda st: st.key)  # the table in stage order, whatever order they finished in
         print(
             f"preflight: {stage.key}. {stage.name}: {stage.result} ({stage.seconds:.0f} s) {stage.figure}", flush=True
         )
@@ -189,14 +215,15 @@ class Preflight:
             return str(self.base.path), 0.0
         out = self.root / "base"
         device, dtype = ("cuda", "bf16") if self.cuda else ("cpu", "fp32")
-        cmd = [sys.executable, "-m", "mhar_titan.hf", "init", str(out), "--flavor", self.base.arch,
-               "--layers", str(self.layers), "--dtype", dtype, "--device", device]  # fmt: skip
-        if self.base.tokenizer:
-            cmd += ["--tokenizer", self.base.tokenizer]
-        code, seconds = _run(cmd, self.root / "logs" / "base.log")
+        code, seconds = _in_process(
+            lambda: init_hf(
+                str(out), self.base.arch, self.base.tokenizer or None, 0, DTYPES[dtype], device, layers=self.layers
+            ),
+            self.root / "logs" / "base.log",
+        )
         if code:
             raise JobFailed(
-                f"the random base: python -m mhar_titan.hf init exited {code} (log: {self.root}/logs/base.log)"
+                f"the random base ({self.base.arch}, {self.layers} layers) failed: see {self.root}/logs/base.log"
             )
         return str(out), seconds
 
@@ -281,11 +308,15 @@ class Preflight:
     def export_arm(self, arm: str, s: PairSettings) -> None:
         """One arm's raw and EMA exports (bf16 on GPUs, as users evaluate them) read back and checked."""
         exports = self.root / "exports"
-        cmd = [sys.executable, "-m", "mhar_titan.preflight.exports", str(s.pair), str(exports), "--step", str(s.steps),
-               "--device", "cuda" if self.cuda else "cpu", "--dtype", "bf16" if self.cuda else "fp32",
-               "--arms", arm, "--json", str(exports / f"exports-{arm}.json")]  # fmt: skip
-        code, seconds = _run(cmd, self.root / "logs" / f"exports-{arm}.log")
-        self.export_runs[arm] = (code, seconds)
+        device = torch.device("cuda" if self.cuda else "cpu")
+        dtype = torch.bfloat16 if self.cuda else torch.float32
+        json_path = exports / f"exports-{arm}.json"
+
+        def checks() -> None:
+            with fp32_matmuls(device):
+                run_checks(s.pair, exports, s.steps, device, TOKENS, json_path, (arm,), dtype)
+
+        self.export_runs[arm] = _in_process(checks, self.root / "logs" / f"exports-{arm}.log")
 
     def drop_checkpoints(self, s: PairSettings, arm: str) -> None:
         folder = s.pair / arm / "checkpoint"
@@ -303,11 +334,12 @@ class Preflight:
         result = exports / "exports.json"
         if all(p.is_file() for p in parts):
             merge_exports(parts, result)
-            self.add(export_stage(result, seconds))
+            stage = export_stage(result, seconds)
         else:
             codes = ", ".join(f"{arm} {code}" for arm, (code, _) in self.export_runs.items())
-            self.add(failed("g", STAGE_NAMES["g"], f"exports exited {codes} (logs/exports-*.log)", seconds))
-        if "h" in self.wanted and self.stages[-1].ok:
+            stage = failed("g", STAGE_NAMES["g"], f"exports failed ({codes}; logs/exports-*.log)", seconds)
+        self.add(stage)
+        if "h" in self.wanted and stage.ok:
             dtype = "bf16" if self.cuda else "fp32"
             cmd = [sys.executable, "-m", "mhar_titan.preflight.evaluate", str(s.pair), str(exports),
                    "--step", str(s.steps), "--tasks", self.args.tasks,
@@ -347,13 +379,12 @@ def run(pf: Preflight) -> None:
         return
     s = pair["settings"]
     try:
-        compared = pf.compare(s)
-        if "f" in pf.wanted:
-            pf.add(verdicts.start_stage(compared) if compared else failed("f", STAGE_NAMES["f"], "no comparison"))
         if "g" in pf.wanted:
             pf.exports_and_eval(s)
+        compared = pf.compare(s)  # after the evaluation: its report holds the Evaluation section
+        if "f" in pf.wanted:
+            pf.add(verdicts.start_stage(compared) if compared else failed("f", STAGE_NAMES["f"], "no comparison"))
         if "i" in pf.wanted:
-            pf.compare(s)  # again, so that report.md holds the Evaluation section written since
             pf.add(pf.compared_stage)
     finally:
         pf.clean(s)

@@ -25,6 +25,7 @@ what was measured and an "error", and the exit is non-zero.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -32,7 +33,7 @@ import shutil
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +49,24 @@ from mhar_titan.preflight.stages import Stage, failed, read_result
 ARMS = ("control", "mhar")
 WEIGHTS = ("raw", "ema")
 BOUND = 1e-5  # fp32 logits, relative to the largest logit (see the docstring)
-PROMPT, NEW_TOKENS, SEED = 16, 8, 0
+PROMPT, NEW_TOKENS, SEED, TOKENS = 16, 8, 0, 256
 MHAR_CLASS, MHAR_TYPE = "MHARLlamaForCausalLM", "mhar_llama"
 KEY, NAME = "g", "exports"
 PROG = "python -m mhar_titan.preflight.exports"
+
+
+@contextlib.contextmanager
+def fp32_matmuls(device: torch.device) -> Iterator[None]:
+    """fp32 means fp32 on CUDA while the checks run (TF32 would round matmul inputs to 10 bits: see the bound)."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def _sync(device: torch.device) -> None:
@@ -289,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", type=Path, help="where the exports go (OUT/<arm>-<weights>) and exports.json")
     parser.add_argument("--step", type=int, required=True, help="the checkpoint step both arms have")
     parser.add_argument("--device", default="cpu", help="where both models run: cuda or cpu (default cpu)")
-    parser.add_argument("--tokens", type=int, default=256, help="length of the compared batch (default 256)")
+    parser.add_argument("--tokens", type=int, default=TOKENS, help=f"length of the compared batch (default {TOKENS})")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the exports' dtype (default fp32)")
     parser.add_argument("--arms", default=",".join(ARMS), help="the arms to export (default control,mhar)")
     parser.add_argument("--json", type=Path, default=None, help="the result file (default OUT/exports.json)")
@@ -300,13 +315,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.tokens < PROMPT:
         parser.error(f"--tokens {args.tokens}: at least {PROMPT} (the generation prompt)")
     device = torch.device(args.device)
-    if device.type == "cuda":  # fp32 means fp32 (see the bound)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
     path = args.json or args.out / "exports.json"
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     try:
-        result = run_checks(args.pair, args.out, args.step, device, args.tokens, path, arms, dtype)
+        with fp32_matmuls(device):
+            result = run_checks(args.pair, args.out, args.step, device, args.tokens, path, arms, dtype)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted (partial results in {path})", file=sys.stderr)
         sys.exit(130)

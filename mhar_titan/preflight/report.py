@@ -17,7 +17,7 @@ WHAT_TO_DO = {
     "d": "read the arm's logs under logs/; a resume that is not bitwise means the run cannot be resumed exactly here",
     "e": "plan the real job with `python -m mhar_titan.plan` and a larger margin, or lighter activation checkpointing",
     "f": "both arms must load the same base: check `model.hf_assets_path` and the tokenizer in both configs",
-    "g": "the exports are not read as the trained model: do not evaluate them; see logs/exports.log",
+    "g": "the exports are not read as the trained model: do not evaluate them; see logs/exports-<arm>.log",
     "h": "see logs/evaluate.log; a task whose dataset is not cached must be cached first (README, Evaluating the pair)",
     "i": "the arms did not see the same schedule or data: the configs differ outside [mhar]",
 }
