@@ -32,7 +32,7 @@ _arm_parent_death_signal()
 
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
-from mhar_titan.trainer import run  # noqa: E402
+from mhar_titan.main import run  # noqa: E402
 
 
 @record

@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gib", type=float, default=12.0, help="bytes one rank saves, in GiB")
     parser.add_argument("--dir", default="/tmp/bench-ckpt", help="where to save (removed before and after)")
     parser.add_argument("--threads", default="1,4,8", help="writer threads to try without the CRC32")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the tensors live (default: cuda if any)",
+    )
     args = parser.parse_args(argv)
 
     numel = int(args.gib * 2**30 / 4)

@@ -64,7 +64,9 @@ def make_loader(
     cfg: DataConfig, shards: list[str], encode: Encoder, seq_len: int, batch: int, workers: int
 ) -> ParquetDataLoader:
     """The bench's one loader construction (rank 0 of 1), kept apart so a new constructor is one edit."""
-    return ParquetDataLoader(cfg, shards, encode, seq_len, batch, 0, 1, workers)
+    return ParquetDataLoader(
+        cfg, shards, encode, seq_len=seq_len, batch=batch, dp_rank=0, dp_world=1, num_workers=workers
+    )
 
 
 def stdlib_texts() -> list[str]:

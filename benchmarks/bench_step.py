@@ -145,7 +145,7 @@ def run_arm(
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms to run, of {', '.join(ARMS)}")
     parser.add_argument("--ac", default="full", help=f"activation-checkpointing modes to run: {', '.join(AC_MODES)}")
@@ -162,6 +162,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="runs/bench-step", help="folder for the arms' runs and logs")
     parser.add_argument("--smoke", action="store_true", help="tiny flavor on CPU: the plumbing, not a speed")
     parser.add_argument("--profile", action="store_true", help="trace each arm's last step; GPU time by kernel kind")
+    return parser
+
+
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[str]]:
+    """The arguments, the arms and the AC modes, refused (exit 2) before any arm runs; --steps defaulted."""
+    parser = _parser()
     args = parser.parse_args(argv)
     arms = args.arms.split(",")
     unknown = [a for a in arms if a not in ARMS]
@@ -176,6 +182,26 @@ def main(argv: list[str] | None = None) -> None:
         args.steps = 14 if args.smoke else 34
     if args.warmup >= args.steps - (2 if args.profile else 0):
         parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
+    return args, arms, modes
+
+
+def _print_profiles(where: Path, arms: list[str], steps: int) -> None:
+    """GPU time by kernel kind of each arm's traced last step, side by side, and each arm's idle gaps."""
+    traces = {arm: sorted((where / arm).glob("profile_traces/*/rank0_trace.json")) for arm in arms}
+    missing = [arm for arm, found in traces.items() if not found]
+    if missing:
+        raise RuntimeError(f"no profiler trace written for {missing} under {where}")
+    print(f"\nprofiled step {steps} (GPU kernel time; the step span includes idle gaps)")
+    summaries = {arm: summarise(found[-1]) for arm, found in traces.items()}
+    print_side_by_side(summaries)
+    if len(summaries) == 2:
+        print_name_diff(summaries)
+    for arm, found in traces.items():
+        print_gaps(arm, gap_report(found[-1], top=12))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, arms, modes = _parse(argv)
     out = Path(args.out).resolve()
     results = {}
     for mode in modes:
@@ -198,17 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         print_table(results[mode], arms, f"{mode} AC, steps {args.warmup + 1}..{args.steps - 2 * args.profile}")
         if args.profile:
-            traces = {arm: sorted((where / arm).glob("profile_traces/*/rank0_trace.json")) for arm in arms}
-            missing = [arm for arm, found in traces.items() if not found]
-            if missing:
-                raise RuntimeError(f"no profiler trace written for {missing} under {where}")
-            print(f"\nprofiled step {args.steps} (GPU kernel time; the step span includes idle gaps)")
-            summaries = {arm: summarise(found[-1]) for arm, found in traces.items()}
-            print_side_by_side(summaries)
-            if len(summaries) == 2:
-                print_name_diff(summaries)
-            for arm, found in traces.items():
-                print_gaps(arm, gap_report(found[-1], top=12))
+            _print_profiles(where, arms, args.steps)
     if len(modes) > 1:
         print_modes(results)
 

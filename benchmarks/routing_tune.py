@@ -7,7 +7,9 @@ kernels/triton/launch.py hold the winners (docs/performance.md has the runs).
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from triton.testing import do_bench
@@ -16,13 +18,13 @@ from benchmarks.routing_cases import DTYPE, Microbatch, route_fns
 from kernels import MAX_TRITON_SOURCES
 from kernels.triton.host import (
     Site,
-    backward,
+    backward_stats,
+    backward_stats_pair,
+    custom_op_backward,
     finish_param_grads,
     forward,
     forward_pair,
     source_rstd,
-    stats,
-    stats_pair,
 )
 from kernels.triton.launch import DEFAULT_TABLES, LaunchTables
 
@@ -40,36 +42,56 @@ TUNE_KERNELS = (
 )  # what `--tune` takes
 
 
-def tune(args, bw: float) -> None:
-    """Time launch shapes of each kernel at the 8B width: the forward alone for every number of
-    caller sources (its table is keyed by it), and the whole backward while one of its kernels'
-    shapes varies, at 2 and 8 caller sources. GPU time of back-to-back calls (Triton's do_bench),
-    so the Python launch cost of one call, which CUDA events around it would include, is not.
-    Each shape is passed to the kernels' host wrappers as a `LaunchTables` argument."""
-    dev = {"device": "cuda", "dtype": DTYPE}
-    d = args.dim
-    x = torch.randn(args.batch, args.seq, d, **dev)
-    z, q, g = (0.5 * torch.randn(d, **dev) for _ in range(3))
-    gate = torch.randn(1, **dev)
-    dout = torch.randn_like(x)
-    unit = x.numel() * x.element_size()
-    kernels = args.tune.split(",")
-    print("| kernel | sources | launch | ms | bytes / ms vs copy bw |")
-    print("|---|---|---|---|---|")
+@dataclass
+class _Inputs:
+    """One 8B-width call's tensors (`args.batch` x `args.seq` x `args.dim`), shared by the tuned kernels,
+    and the copy bandwidth `bw` that each row's bytes per ms are set against."""
 
-    def fwd(srcs: list[torch.Tensor], tables: LaunchTables, label: str, rstds=()) -> None:
-        # as the model calls it: gate * R, without x; `rstds`: the sources' norms, given or not
-        ms = do_bench(lambda: forward(None, srcs, z, q, g, gate, args.heads, 1e-5, tables, rstds), warmup=10, rep=50)
-        print(f"| fwd | {len(srcs)} | {label} | {ms:.3f} | {(len(srcs) + 1) * unit / (ms * 1e-3) / bw:.0%} |")
+    args: Any
+    bw: float
+    x: torch.Tensor
+    z: torch.Tensor
+    q: torch.Tensor
+    g: torch.Tensor
+    gate: torch.Tensor
+    dout: torch.Tensor
 
-    def bwd(srcs: list[torch.Tensor], tables: LaunchTables, label: str) -> None:
-        lg = forward(None, srcs, z, q, g, gate, args.heads, 1e-5)[1]  # what the backward reads
-        ms = do_bench(lambda: backward(dout, lg, srcs, z, q, g, gate, args.heads, 1e-5, tables), warmup=10, rep=50)
-        nbytes = (2 + 3 * len(srcs)) * unit  # dout twice, each source twice, each gradient once
-        print(f"| bwd | {len(srcs)} | {label} | {ms:.3f} | {nbytes / (ms * 1e-3) / bw:.0%} |")
+    @classmethod
+    def make(cls, args, bw: float) -> _Inputs:
+        dev = {"device": "cuda", "dtype": DTYPE}
+        d = args.dim
+        x = torch.randn(args.batch, args.seq, d, **dev)
+        z, q, g = (0.5 * torch.randn(d, **dev) for _ in range(3))
+        gate = torch.randn(1, **dev)
+        return cls(args, bw, x, z, q, g, gate, torch.randn_like(x))
 
-    for n in range(1, MAX_TRITON_SOURCES + 1) if "fwd" in kernels else ():
-        srcs = [torch.randn_like(x) for _ in range(n)]
+    @property
+    def unit(self) -> int:
+        return self.x.numel() * self.x.element_size()
+
+    def site_params(self) -> list[tuple]:
+        """A layer's two sites' parameters (null, query, norm weight, gate)."""
+        return [(self.z, self.q, self.g, self.gate), (self.q, self.g, self.z, 2 * self.gate)]
+
+    def fwd(self, srcs: list[torch.Tensor], tables: LaunchTables, label: str, rstds=()) -> None:
+        """Times the forward as the model calls it: gate * R, without x; `rstds`: the sources' norms, given or not."""
+        z, q, g, gate, heads = self.z, self.q, self.g, self.gate, self.args.heads
+        ms = do_bench(lambda: forward(None, srcs, z, q, g, gate, heads, 1e-5, tables, rstds), warmup=10, rep=50)
+        print(f"| fwd | {len(srcs)} | {label} | {ms:.3f} | {(len(srcs) + 1) * self.unit / (ms * 1e-3) / self.bw:.0%} |")
+
+    def bwd(self, srcs: list[torch.Tensor], tables: LaunchTables, label: str) -> None:
+        """Times the whole backward of one call."""
+        z, q, g, gate, heads, dout = self.z, self.q, self.g, self.gate, self.args.heads, self.dout
+        lg = forward(None, srcs, z, q, g, gate, heads, 1e-5)[1]  # what the backward reads
+        ms = do_bench(lambda: custom_op_backward(dout, lg, srcs, z, q, g, gate, heads, 1e-5, tables), warmup=10, rep=50)
+        nbytes = (2 + 3 * len(srcs)) * self.unit  # dout twice, each source twice, each gradient once
+        print(f"| bwd | {len(srcs)} | {label} | {ms:.3f} | {nbytes / (ms * 1e-3) / self.bw:.0%} |")
+
+
+def _tune_fwd(t: _Inputs) -> None:
+    """The forward's launch shapes for every number of sources, with the norms given and computed."""
+    for n in range(1, MAX_TRITON_SOURCES + 1):
+        srcs = [torch.randn_like(t.x) for _ in range(n)]
         rstds = [source_rstd(s, 1e-5) for s in srcs]  # as for sources marked with routing_source
         for given in (False, True):
             for rows, warps, maxnreg in [
@@ -85,33 +107,44 @@ def tune(args, bw: float) -> None:
                 tables = DEFAULT_TABLES.replace(fwd={n: shape})
                 how = "given" if given else "computed"
                 label = f"rows {rows}, {warps} warps, registers <= {maxnreg or 'any'}, rstd {how}"
-                fwd(srcs, tables, label, rstds)
-    for n in range(1, MAX_TRITON_SOURCES + 1) if "fwd_rstd" in kernels else ():
-        # the default shapes only, norms given or computed
-        srcs = [torch.randn_like(x) for _ in range(n)]
+                t.fwd(srcs, tables, label, rstds)
+
+
+def _tune_fwd_rstd(t: _Inputs) -> None:
+    """The forward's default shapes only, norms given or computed."""
+    for n in range(1, MAX_TRITON_SOURCES + 1):
+        srcs = [torch.randn_like(t.x) for _ in range(n)]
         rstds = [source_rstd(s, 1e-5) for s in srcs]
         for given in (False, True):
             tables = DEFAULT_TABLES.replace(fwd={n: {"given_rstd": given}})
-            fwd(srcs, tables, f"default shape, rstd {'given' if given else 'computed'}", rstds)
-    for n in (2, 8) if "bwd" in kernels else ():
-        srcs = [torch.randn_like(x) for _ in range(n)]
+            t.fwd(srcs, tables, f"default shape, rstd {'given' if given else 'computed'}", rstds)
+
+
+def _tune_bwd(t: _Inputs) -> None:
+    """The whole backward at 2 and 8 sources while the stats, then the mix kernel's shape varies."""
+    for n in (2, 8):
+        srcs = [torch.randn_like(t.x) for _ in range(n)]
         for rows, warps, maxnreg in itertools.product((16, 32, 64), (8, 16), (None, 128)):
             tables = DEFAULT_TABLES.replace(stats={n: {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg}})
-            bwd(srcs, tables, f"stats rows {rows}, {warps} warps, registers <= {maxnreg or 'any'}")
+            t.bwd(srcs, tables, f"stats rows {rows}, {warps} warps, registers <= {maxnreg or 'any'}")
         for block_m, block_kc, warps in [(16, 64, 4), (32, 64, 4), (16, 128, 4), (32, 128, 8)]:
             tables = DEFAULT_TABLES.replace(mix={"block_m": block_m, "block_kc": block_kc, "warps": warps})
-            bwd(srcs, tables, f"mix {block_m}x{block_kc}, {warps} warps")
-    for n in range(1, MAX_TRITON_SOURCES + 1) if "stats" in kernels else ():
-        # the stats and finishing kernels alone (what a call's backward runs before its mix)
-        srcs = [torch.randn_like(x) for _ in range(n)]
+            t.bwd(srcs, tables, f"mix {block_m}x{block_kc}, {warps} warps")
+
+
+def _tune_stats(t: _Inputs) -> None:
+    """The stats and finishing kernels alone (what a call's backward runs before its mix)."""
+    z, q, g, gate, heads, dout = t.z, t.q, t.g, t.gate, t.args.heads, t.dout
+    for n in range(1, MAX_TRITON_SOURCES + 1):
+        srcs = [torch.randn_like(t.x) for _ in range(n)]
         rstds = [source_rstd(s, 1e-5) for s in srcs]  # as for sources marked with routing_source
-        lg = forward(None, srcs, z, q, g, gate, args.heads, 1e-5, DEFAULT_TABLES, rstds)[1]
+        lg = forward(None, srcs, z, q, g, gate, heads, 1e-5, DEFAULT_TABLES, rstds)[1]
         for given, maxnreg, warps in itertools.product((False, True), (None, 168), (8, 16)):
             shape = {"maxnreg": maxnreg, "given_rstd": given, "warps_per_4096": warps}
             tables = DEFAULT_TABLES.replace(stats={n: shape})
             ms = do_bench(
-                lambda srcs=srcs, rstds=rstds, tables=tables, lg=lg: stats(
-                    dout, lg, srcs, z, q, g, gate, args.heads, 1e-5, rstds, tables
+                lambda srcs=srcs, rstds=rstds, tables=tables, lg=lg: backward_stats(
+                    dout, lg, srcs, z, q, g, gate, heads, 1e-5, rstds, tables
                 ),
                 warmup=10,
                 rep=50,
@@ -120,24 +153,44 @@ def tune(args, bw: float) -> None:
                 f"rows {tables.stats[n]['rows']}, {warps} warps, registers <= {maxnreg or 'any'}, "
                 f"rstd {'given' if given else 'computed'}"
             )
-            print(f"| stats | {n} | {label} | {ms:.3f} | {(n + 1) * unit / (ms * 1e-3) / bw:.0%} |")
+            print(f"| stats | {n} | {label} | {ms:.3f} | {(n + 1) * t.unit / (ms * 1e-3) / t.bw:.0%} |")
+
+
+def _tune_group(t: _Inputs) -> None:
+    """Calls per mix pass: the microbatch's triton loop without the wrapper, GPU-bound in its backward."""
+    args = t.args
+    mb = Microbatch(args.batch, args.seq, args.dim, args.layers, args.blocks)
+    for calls in (1, 2, 4):
+        fn = route_fns(args.heads, 1e-5, DEFAULT_TABLES.replace(mix={"calls": calls}))["triton_site"]
+        ms = do_bench(lambda fn=fn: mb.forward_backward(fn, "triton"), warmup=3, rep=200)
+        print(f"| microbatch fwd+bwd, no wrapper | 1-8 | mix pass per {calls} calls | {ms:.2f} | |")
+
+
+def tune(args, bw: float) -> None:
+    """Time launch shapes of each kernel at the 8B width: the forward alone for every number of
+    caller sources (its table is keyed by it), and the whole backward while one of its kernels'
+    shapes varies, at 2 and 8 caller sources. GPU time of back-to-back calls (Triton's do_bench),
+    so the Python launch cost of one call, which CUDA events around it would include, is not.
+    Each shape is passed to the kernels' host wrappers as a `LaunchTables` argument."""
+    t = _Inputs.make(args, bw)
+    kernels = args.tune.split(",")
+    print("| kernel | sources | launch | ms | bytes / ms vs copy bw |")
+    print("|---|---|---|---|---|")
+    for name, run in (("fwd", _tune_fwd), ("fwd_rstd", _tune_fwd_rstd), ("bwd", _tune_bwd), ("stats", _tune_stats)):
+        if name in kernels:
+            run(t)
     for n in PAIR_SOURCES if "pair" in kernels else ():
-        tune_pair(args, bw, n, dout, [(z, q, g, gate), (q, g, z, 2 * gate)])
+        tune_pair(args, bw, n, t.dout, t.site_params())
     for n in PAIR_SOURCES if "params" in kernels else ():
-        param_dtypes(args, bw, n, dout, [(z, q, g, gate), (q, g, z, 2 * gate)])
+        param_dtypes(args, bw, n, t.dout, t.site_params())
     if "load" in kernels:
-        under_load(args, bw, dout, [(z, q, g, gate), (q, g, z, 2 * gate)])
+        under_load(args, bw, t.dout, t.site_params())
     if "pair_load" in kernels:
-        tune_pair_loaded(args, bw, dout, [(z, q, g, gate), (q, g, z, 2 * gate)])
+        tune_pair_loaded(args, bw, t.dout, t.site_params())
     if "group" in kernels:
-        # calls per mix pass: the microbatch's triton loop without the wrapper, GPU-bound in its backward
-        mb = Microbatch(args.batch, args.seq, d, args.layers, args.blocks)
-        for calls in (1, 2, 4):
-            fn = route_fns(args.heads, 1e-5, DEFAULT_TABLES.replace(mix={"calls": calls}))["triton_site"]
-            ms = do_bench(lambda fn=fn: mb.forward_backward(fn, "triton"), warmup=3, rep=200)
-            print(f"| microbatch fwd+bwd, no wrapper | 1-8 | mix pass per {calls} calls | {ms:.2f} | |")
+        _tune_group(t)
     if "finish" in kernels:
-        finish(x, z, q, g, gate, args.heads)
+        finish(t.x, t.z, t.q, t.g, t.gate, args.heads)
 
 
 PAIR_SOURCES = tuple(range(1, MAX_TRITON_SOURCES + 1))
@@ -186,7 +239,7 @@ def tune_pair(args, bw: float, n: int, dout: torch.Tensor, params: list[tuple]) 
 
         def stats_single(t=tables) -> None:
             for s, lg in zip(sites, lgs, strict=True):
-                stats(dout, lg, srcs, *s, args.heads, 1e-5, rstds, t)
+                backward_stats(dout, lg, srcs, *s, args.heads, 1e-5, rstds, t)
 
         shape = tables.stats[n]
         label = "two single-site calls, " + _label(shape["rows"], 8, shape["maxnreg"], prefetch)
@@ -195,7 +248,9 @@ def tune_pair(args, bw: float, n: int, dout: torch.Tensor, params: list[tuple]) 
         shape = {"rows": rows, "warps_per_4096": warps, "maxnreg": maxnreg, "given_rstd": True, "prefetch": prefetch}
         tables = DEFAULT_TABLES.replace(stats_pair={n: shape})
         ms = do_bench(
-            lambda t=tables: stats_pair([dout, dout], lgs, srcs, sites, args.heads, 1e-5, rstds, t), warmup=10, rep=50
+            lambda t=tables: backward_stats_pair([dout, dout], lgs, srcs, sites, args.heads, 1e-5, rstds, t),
+            warmup=10,
+            rep=50,
         )
         row("stats, 2 sites", _label(rows, warps, maxnreg, prefetch), ms, (n + 2) * unit)
 
@@ -216,7 +271,7 @@ def param_dtypes(args, bw: float, n: int, dout: torch.Tensor, params: list[tuple
             forward_pair(srcs, s, args.heads, 1e-5, DEFAULT_TABLES, rstds, dout.dtype)
 
         def bwd_stats(s=sites, lgs=lgs) -> None:
-            stats_pair([dout, dout], lgs, srcs, s, args.heads, 1e-5, rstds, DEFAULT_TABLES)
+            backward_stats_pair([dout, dout], lgs, srcs, s, args.heads, 1e-5, rstds, DEFAULT_TABLES)
 
         for kernel, fn in (("fwd, 2 sites", fwd), ("stats, 2 sites", bwd_stats)):
             ms = do_bench(fn, warmup=10, rep=50)
@@ -272,7 +327,7 @@ def under_load(args, bw: float, dout: torch.Tensor, params: list[tuple]) -> None
         copy_src = torch.empty((n + 2) * dout.numel() // 2, device=dout.device, dtype=dout.dtype)
         copy_dst = torch.empty_like(copy_src)
         lgs = pair_logits(srcs, sites, args.heads, rstds)
-        stats_fn = partial(stats_pair, [dout, dout], lgs, srcs, sites, args.heads, 1e-5, rstds, DEFAULT_TABLES)
+        stats_fn = partial(backward_stats_pair, [dout, dout], lgs, srcs, sites, args.heads, 1e-5, rstds, DEFAULT_TABLES)
         cases = (
             ("fwd, 2 sites", partial(forward_pair, srcs, sites, args.heads, 1e-5, DEFAULT_TABLES, rstds, dout.dtype)),
             ("stats, 2 sites", stats_fn),
@@ -303,7 +358,7 @@ def tune_pair_loaded(args, bw: float, dout: torch.Tensor, params: list[tuple]) -
                 if key == "fwd_pair":
                     fn = partial(forward_pair, srcs, sites, args.heads, 1e-5, tables, rstds)
                 else:
-                    fn = partial(stats_pair, [dout, dout], lgs, srcs, sites, args.heads, 1e-5, rstds, tables)
+                    fn = partial(backward_stats_pair, [dout, dout], lgs, srcs, sites, args.heads, 1e-5, rstds, tables)
                 ms = burst.median_ms(fn, burst.loaded)
                 mark = " (default)" if getattr(DEFAULT_TABLES, key)[n] == getattr(tables, key)[n] else ""
                 label = _label(rows, warps, maxnreg, prefetch) + mark

@@ -21,6 +21,9 @@ class DataConfig:
     text_column: str = "text"
     source_column: str = ""
     """Column with each document's source tag, for per-source token counters (empty: none)."""
+    token_share_sources: int = 16
+    """TensorBoard's data/token_share/<tag> for at most this many source-column tags, those with the most
+    tokens so far (ties by tag name), the rest summed into data/token_share/other; 0: none."""
     seed: int = 0
     """The data order is a function of (seed, epoch) alone: both arms of a pair share it."""
     num_streams: int = 16
@@ -62,6 +65,10 @@ class DataConfig:
             raise ValueError(f"[data] on_bad_shard = {self.on_bad_shard!r} must be 'error' or 'skip'")
         if self.num_streams <= 0:
             raise ValueError(f"[data] num_streams = {self.num_streams} must be positive")
+        if self.token_share_sources < 0:
+            raise ValueError(
+                f"[data] token_share_sources = {self.token_share_sources} must be >= 0 (0: no per-source token shares)"
+            )
         if self.max_document_tokens < 0:
             raise ValueError(f"[data] max_document_tokens = {self.max_document_tokens} must be >= 0 (0: no cap)")
         if not 0.0 <= self.validation_fraction < 1.0:

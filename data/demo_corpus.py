@@ -3,8 +3,10 @@
 Two sources from CPython's standard library (PSF licence), with no download: `corpus/`, its long
 docstrings (English prose, about 1.2 MB; the tokenizer is trained on these), and `code/`, the
 source of its short functions (about 0.6 MB), so the demo trains on a two-source mixture. The
-outputs are committed under `assets/tiny/`, so every machine trains on the same bytes whatever
-its Python version; run this module only to rebuild them:
+`source` column holds a coarse kind, one of six whatever the Python version (`SOURCES`: module,
+class, function or method docstrings; functions or methods), so the demo logs few data/tokens/<tag>
+and data/token_share/<tag> charts. The outputs are committed under `assets/tiny/`, so every machine
+trains on the same bytes whatever its Python version; run this module only to rebuild them:
 
     python -m data.demo_corpus assets/tiny
 """
@@ -26,11 +28,35 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__"}
+DOCSTRING_SOURCES = {
+    "module": "module_docstrings",
+    "class": "class_docstrings",
+    "function": "function_docstrings",
+    "method": "method_docstrings",
+}
+CODE_SOURCES = {"function": "functions", "method": "methods"}
+SOURCES = (*DOCSTRING_SOURCES.values(), *CODE_SOURCES.values())
+"""Every value of the demo corpus's `source` column."""
 
 
-def stdlib_modules() -> Iterator[tuple[str, ast.Module, str]]:
-    """(source text, its syntax tree, top-level module or package) of each standard-library file, in
-    sorted path order (test and tool folders left out; files that do not parse skipped)."""
+def node_kinds(tree: ast.Module) -> dict[ast.AST, str]:
+    """'module', 'class', 'function' or 'method' (a function defined directly in a class body) of the
+    module, each class and each function of `tree`."""
+    kinds: dict[ast.AST, str] = {tree: "module"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            kinds[node] = "class"
+            for child in node.body:
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    kinds[child] = "method"
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            kinds.setdefault(node, "function")
+    return kinds
+
+
+def stdlib_modules() -> Iterator[tuple[str, ast.Module]]:
+    """(source text, its syntax tree) of each standard-library file, in sorted path order (test and
+    tool folders left out; files that do not parse skipped)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
@@ -43,32 +69,39 @@ def stdlib_modules() -> Iterator[tuple[str, ast.Module, str]]:
                 tree = ast.parse(text)
             except (SyntaxError, UnicodeDecodeError):
                 continue
-            yield text, tree, path.relative_to(root).parts[0].removesuffix(".py")
+            yield text, tree
 
 
-def stdlib_docstrings(min_chars: int = 200) -> list[tuple[str, str]]:
-    """(text, source) pairs; source is the top-level stdlib module or package."""
+def docstrings(tree: ast.Module, min_chars: int = 200) -> list[tuple[str, str]]:
+    """(text, source) of the docstrings of `min_chars` or more in `tree`, in `ast.walk` order; source
+    from `DOCSTRING_SOURCES`."""
+    kinds = node_kinds(tree)
     docs: list[tuple[str, str]] = []
-    for _, tree, source in stdlib_modules():
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                text = ast.get_docstring(node)
-                if text and len(text) >= min_chars:
-                    docs.append((text, source))
+    for node in ast.walk(tree):
+        if node in kinds:
+            text = ast.get_docstring(node)
+            if text and len(text) >= min_chars:
+                docs.append((text, DOCSTRING_SOURCES[kinds[node]]))
     return docs
 
 
+def stdlib_docstrings(min_chars: int = 200) -> list[tuple[str, str]]:
+    """(text, source) pairs of every standard-library file (`docstrings`)."""
+    return [doc for _, tree in stdlib_modules() for doc in docstrings(tree, min_chars)]
+
+
 def stdlib_functions(min_chars: int = 300, max_chars: int = 1500, limit: int = 600_000) -> list[tuple[str, str]]:
-    """(source code, module) of the standard library's functions of min..max characters, in file
-    order, up to `limit` characters in all."""
+    """(source code, source) of the standard library's functions of min..max characters, in file
+    order, up to `limit` characters in all; source from `CODE_SOURCES`."""
     out: list[tuple[str, str]] = []
     total = 0
-    for text, tree, module in stdlib_modules():
+    for text, tree in stdlib_modules():
+        kinds = node_kinds(tree)
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 code = ast.get_source_segment(text, node)
                 if code and min_chars <= len(code) <= max_chars:
-                    out.append((code, module))
+                    out.append((code, CODE_SOURCES[kinds[node]]))
                     total += len(code)
                     if total >= limit:
                         return out

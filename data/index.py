@@ -211,6 +211,57 @@ def _indexed_entries(places: dict[str, Place], sizes: dict[str, int], index: str
     return found
 
 
+def _drop_stale(entries: dict[str, dict[str, Any]], sizes: dict[str, int], places: dict[str, Place]) -> list[str]:
+    """Removes from `entries` the shards whose size differs from the index's record (changed since it was
+    written), warning about them; returns what was found for each."""
+    stale = []
+    for shard, entry in list(entries.items()):
+        size = sizes.get(places[shard][1])
+        if size != entry["bytes"]:
+            now = "not in its folder's listing" if size is None else f"{size} bytes"
+            stale.append(f"{shard}: {now}, {entry['bytes']} bytes in {entry['index']}")
+            del entries[shard]
+    if stale:
+        logger.warning(
+            f"[data] {len(stale)} shards differ from the shard index (changed since it was written); reading "
+            "their footers instead "
+            f"(rebuild it: python -m data.index FOLDER): {'; '.join(stale[:5])}{'; ...' if len(stale) > 5 else ''}"
+        )
+    return stale
+
+
+def _drop_undigested(entries: dict[str, dict[str, Any]]) -> None:
+    """Removes from `entries` the shards an older index recorded without a footer digest: their footers are read."""
+    undigested = [shard for shard, entry in entries.items() if "footer" not in entry and "error" not in entry]
+    if undigested:
+        logger.info(
+            f"[data] the shard index records no footer digest for {len(undigested)} shards (written before they "
+            f"were recorded, e.g. {entries[undigested[0]]['index']}): reading their footers; rebuilding it "
+            "(python -m data.index FOLDER) makes start-up read no footers"
+        )
+    for shard in undigested:
+        del entries[shard]
+
+
+def _info(
+    shard: str,
+    entry: dict[str, Any] | None,
+    footer: Footer | BadShardError | None,
+    text_column: str,
+    source_column: str,
+) -> ShardInfo:
+    """One shard's info from its index entry, else from its footer; a BadShardError if it is not usable."""
+    if entry is not None:
+        if "error" in entry:
+            raise BadShardError(f"{shard}: {entry['error']} (recorded in {entry['index']})")
+        check_columns(shard, map(tuple, entry["columns"]), text_column, source_column)
+        return ShardInfo(shard, tuple(entry["row_groups"]), entry["bytes"], entry["footer"])
+    if isinstance(footer, BadShardError):
+        raise footer
+    check_columns(shard, footer.columns, text_column, source_column)
+    return ShardInfo(shard, footer.row_groups, footer.size, footer.digest)
+
+
 def shard_infos(
     shards: list[str],
     text_column: str,
@@ -231,30 +282,10 @@ def shard_infos(
         sizes = folder_sizes(places, threads)
         entries = _indexed_entries(places, sizes, index)
     missing = len(shards) - len(entries)
-    stale = []
-    for shard, entry in list(entries.items()):
-        size = sizes.get(places[shard][1])
-        if size != entry["bytes"]:
-            now = "not in its folder's listing" if size is None else f"{size} bytes"
-            stale.append(f"{shard}: {now}, {entry['bytes']} bytes in {entry['index']}")
-            del entries[shard]
-    if stale:
-        logger.warning(
-            f"[data] {len(stale)} shards differ from the shard index (changed since it was written); reading "
-            "their footers instead "
-            f"(rebuild it: python -m data.index FOLDER): {'; '.join(stale[:5])}{'; ...' if len(stale) > 5 else ''}"
-        )
+    stale = _drop_stale(entries, sizes, places)
     if missing and len(entries) + len(stale):
         logger.info(f"[data] {missing} of {len(shards)} shards not in a shard index: reading their footers")
-    undigested = [shard for shard, entry in entries.items() if "footer" not in entry and "error" not in entry]
-    if undigested:
-        logger.info(
-            f"[data] the shard index records no footer digest for {len(undigested)} shards (written before they "
-            f"were recorded, e.g. {entries[undigested[0]]['index']}): reading their footers; rebuilding it "
-            "(python -m data.index FOLDER) makes start-up read no footers"
-        )
-    for shard in undigested:
-        del entries[shard]
+    _drop_undigested(entries)
     unread = [shard for shard in shards if shard not in entries]
     footers = dict(zip(unread, read_footers(unread, threads), strict=True))
     infos: dict[str, ShardInfo] = {}
@@ -262,18 +293,7 @@ def shard_infos(
     for shard in shards:
         problem = None
         try:
-            if shard in entries:
-                entry = entries[shard]
-                if "error" in entry:
-                    raise BadShardError(f"{shard}: {entry['error']} (recorded in {entry['index']})")
-                check_columns(shard, map(tuple, entry["columns"]), text_column, source_column)
-                infos[shard] = ShardInfo(shard, tuple(entry["row_groups"]), entry["bytes"], entry["footer"])
-            else:
-                footer = footers[shard]
-                if isinstance(footer, BadShardError):
-                    raise footer
-                check_columns(shard, footer.columns, text_column, source_column)
-                infos[shard] = ShardInfo(shard, footer.row_groups, footer.size, footer.digest)
+            infos[shard] = _info(shard, entries.get(shard), footers.get(shard), text_column, source_column)
         except BadShardError as e:
             problem = e
         problems.append(problem)

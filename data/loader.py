@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
@@ -43,6 +42,7 @@ from data.mixture import (
 )
 from data.shards import NoDataError, Scan, ShardInfo, held_out, list_shards, name_paths
 from data.stream import COUNTERS, PackedStream
+from mhar_titan.components.collectives import gather_objects
 
 logger = logging.getLogger(__name__)
 
@@ -352,40 +352,58 @@ def build_parquet_dataloader(
         cfg,
         shards,
         Encoder(tokenizer, cfg.bos),
-        t.seq_len,
-        t.local_batch_size,
-        dp_rank,
-        dp_world_size,
-        t.dataloader.num_workers,
-        infos,
+        seq_len=t.seq_len,
+        batch=t.local_batch_size,
+        dp_rank=dp_rank,
+        dp_world=dp_world_size,
+        num_workers=t.dataloader.num_workers,
+        infos=infos,
     )
 
 
 def gather_counters(loader: ParquetDataLoader) -> dict[str, int]:
     """Counters summed over all ranks (every rank must call)."""
-    mine = loader.counters()
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine
-    everyone: list[dict[str, int]] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(everyone, mine)
     total: dict[str, int] = {}
-    for counts in everyone:
+    for counts in gather_objects(loader.counters()):
         for k, v in counts.items():
             total[k] = total.get(k, 0) + v
     return total
 
 
-def token_shares(counters: dict[str, int]) -> dict[str, float]:
-    """data/token_share/<tag>: each source-column tag's share of the tokens counted by tag so far."""
+OTHER_SOURCES = "other"
+
+
+def token_shares(counters: dict[str, int], top: int = 16) -> dict[str, float]:
+    """data/token_share/<tag>: the share of the tokens counted by source-column tag so far, for the `top`
+    tags with the most tokens (ties by tag name), the rest summed into data/token_share/other (a tag named
+    'other' counts there too); the shares sum to 1. `top = 0`: none (`[data] token_share_sources`)."""
+    if top < 0:
+        raise ValueError(f"token_shares: top = {top} must be >= 0 (0: no per-source token shares)")
     tokens = {k.removeprefix("tokens/"): v for k, v in counters.items() if k.startswith("tokens/")}
     total = sum(tokens.values())
-    return {f"data/token_share/{tag}": n / total for tag, n in tokens.items()} if total else {}
+    if not total or not top:
+        return {}
+    ranked = sorted((tag for tag in tokens if tag != OTHER_SOURCES), key=lambda tag: (-tokens[tag], tag))
+    out = {f"data/token_share/{tag}": tokens[tag] / total for tag in ranked[:top]}
+    rest = [tokens[tag] for tag in ranked[top:]] + ([tokens[OTHER_SOURCES]] if OTHER_SOURCES in tokens else [])
+    if rest:
+        out[f"data/token_share/{OTHER_SOURCES}"] = sum(rest) / total
+    return out
+
+
+def mixture_counter(counters: dict[str, int], kind: str) -> dict[str, int]:
+    """{source name: its `mixture/<name>/<kind>` counter} (kind: tokens or epochs), the one parse of those keys."""
+    parts = (k.split("/") for k in counters)
+    return {p[1]: counters["/".join(p)] for p in parts if len(p) == 3 and p[0] == "mixture" and p[2] == kind}
+
+
+def source_shares(counters: dict[str, int]) -> dict[str, float]:
+    """{source name: its share of the tokens delivered so far}, with a mixture of two or more sources."""
+    tokens = mixture_counter(counters, "tokens")
+    total = sum(tokens.values())
+    return {name: n / total for name, n in tokens.items()} if len(tokens) > 1 and total else {}
 
 
 def mixture_shares(counters: dict[str, int]) -> dict[str, float]:
     """data/mixture/<name>/share: each source's share of the tokens delivered so far (with a mixture)."""
-    tokens = {k.split("/")[1]: v for k, v in counters.items() if k.startswith("mixture/") and k.endswith("/tokens")}
-    total = sum(tokens.values())
-    if len(tokens) < 2 or not total:
-        return {}
-    return {f"data/mixture/{name}/share": n / total for name, n in tokens.items()}
+    return {f"data/mixture/{name}/share": share for name, share in source_shares(counters).items()}

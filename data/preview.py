@@ -15,7 +15,7 @@ import sys
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.config import JobConfig
 
-from data.loader import Encoder, ParquetDataLoader, data_config, mixture_shares, source_shards
+from data.loader import Encoder, ParquetDataLoader, data_config, source_shards, source_shares
 from data.mixture import parse_validation_sets
 from data.shards import BadShardError, NoDataError
 from mhar_titan.config import parse_config
@@ -63,8 +63,15 @@ def show(job: JobConfig, args: argparse.Namespace) -> None:
     parse_validation_sets(cfg)  # a wrong set is named here, not only when training builds its validator
     tokenizer = HuggingFaceTokenizer(job.model.hf_assets_path)
     batch = job.training.local_batch_size
+    encode = Encoder(tokenizer, cfg.bos)
     loader = ParquetDataLoader(
-        cfg, source_shards(cfg), Encoder(tokenizer, cfg.bos), job.training.seq_len, batch, args.rank, args.world
+        cfg,
+        source_shards(cfg),
+        encode,
+        seq_len=job.training.seq_len,
+        batch=batch,
+        dp_rank=args.rank,
+        dp_world=args.world,
     )
     it = iter(loader)
     batches = max(args.batches, -(-args.n // batch))
@@ -77,7 +84,7 @@ def show(job: JobConfig, args: argparse.Namespace) -> None:
                 ids = inputs["input"][row].tolist() + [labels[row, -1].item()]
                 windows.append({"window": len(windows), "batch": k, "stream": stream, "ids": ids})
     counters = loader.counters()
-    shares = {k.split("/")[2]: v for k, v in mixture_shares(counters).items()}
+    shares = source_shares(counters)
     if not shares:  # one source: all of it
         shares = {name: 1.0 for name in loader.names}
     if args.json:

@@ -12,8 +12,8 @@ Backends, named by the caller (`backend=`), each one code path:
   `route_eager`; `route_pair_eager` for two sites over the same sources, `mhar_route_pair`),
   which sums the gradients of sources marked with `routing_source` in place.
   Inside a torch.compile graph it is `triton_op`: autograd.py declares that substitution once,
-  with torch.compile's `substitute_in_graph` (the eager path cannot be traced), so per-block
-  compiled training runs the custom op, and the same model run eagerly runs this path;
+  with torch.compile's `substitute_in_graph` (the eager path cannot be traced). The model's
+  training routes outside its compiled block bodies, so it runs this path, compiled or not;
 - `triton_op`: the same kernels through the custom op `torch.ops.mhar.route_fwd` (`route_op`),
   in eager mode too;
 - `auto`: `triton` on CUDA, `torch` elsewhere.

@@ -24,6 +24,8 @@ from torch.distributed.fsdp import FSDPModule
 from torchtitan.protocols.train_spec import TrainSpec
 from torchtitan.tools.logging import logger
 
+from mhar_titan.titan_compat import DEVICE_GLOBALS
+
 
 def should_activate() -> bool:
     """CPU mode when this host has no CUDA device (CI, laptops, login nodes)."""
@@ -100,15 +102,6 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-# Modules that bound torchtitan.tools.utils.device_type / device_module by name.
-_DEVICE_GLOBALS = {
-    "torchtitan.tools.utils": ("device_type", "device_module"),
-    "torchtitan.components.metrics": ("device_type", "device_module"),
-    "torchtitan.distributed.parallel_dims": ("device_type",),
-    "torchtitan.distributed.utils": ("device_type", "device_module"),
-    "torchtitan.tools.profiling": ("device_module",),
-}
-
 _active = False
 
 
@@ -126,7 +119,7 @@ def activate(train_specs: list[TrainSpec]) -> None:
 def install_device_module() -> None:
     """Replace torchtitan's CUDA device globals with the CPU ones."""
     values = {"device_type": "cpu", "device_module": CPUDeviceModule()}
-    for module_name, names in _DEVICE_GLOBALS.items():
+    for module_name, names in DEVICE_GLOBALS.items():
         module = importlib.import_module(module_name)
         for name in names:
             if not hasattr(module, name):

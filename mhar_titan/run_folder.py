@@ -1,6 +1,6 @@
-"""The trainer's dealings with its run folder: the lock at start, the checks before any load, what a
-resume applies and records, and the stops that end a job short of its steps (preemption, data read
-to its end). A mixin of CPTTrainer (mhar_titan/trainer.py), which holds the loop."""
+"""The trainer's dealings with its run folder: the lock at start, what a resume applies and records, and the
+stops that end a job short of its steps (preemption, data read to its end); the checks before any load are
+components/run_checks.check_resume. A mixin of CPTTrainer (mhar_titan/trainer.py), which holds the loop."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import torch
 from torchtitan.tools.logging import logger
 
 from data.index import share_from_rank0
-from data.loader import gather_counters
-from mhar_titan.components import fingerprint, run_checks, run_record
-from mhar_titan.components.checkpoint import complete_steps
+from data.loader import gather_counters, mixture_counter
+from mhar_titan.components import fingerprint, run_record
 from mhar_titan.components.lr_schedule import apply_settings
 from mhar_titan.components.optimizer import config_kwargs, group_settings, lr_multiplier
 from mhar_titan.components.preemption import REQUEUE_EXIT_CODE, Preempted, SourcesExhausted
@@ -33,21 +32,7 @@ class RunFolder:
         logger.info(acquire_everywhere(self.run_lock, share_from_rank0))
         return dims
 
-    # -- which run this job continues ---------------------------------------------------------
-
-    def _check_run(self) -> list[str]:
-        """Before any load, on every rank: the run in dump_folder is the one this job describes (the lines
-        of the changes [checkpoint] allow_changes permits; an error listing any other difference), and its
-        checkpoint folder takes a checkpoint."""
-        cfg = self.job_config
-        recorded = fingerprint.read(cfg.job.dump_folder) or {}
-        for name in fingerprint.unchecked(recorded, self.fingerprint) if recorded else []:
-            logger.warning(f"{name}: not in the run's fingerprint (recorded by an older version): not checked")
-        changes = run_checks.check_run(cfg, self.fingerprint, complete_steps(self.checkpointer.folder))
-        if cfg.checkpoint.enable:
-            folder, needed = self.checkpointer.folder, self.checkpointer.expected_bytes
-            share_from_rank0(lambda: run_checks.check_checkpoint_folder(folder, needed) or {})
-        return changes
+    # -- what a resume applies and records ------------------------------------------------------
 
     def _resumed(self) -> list[str]:
         """After a load: the config's optimizer and schedule values applied from the next step, the loader
@@ -88,8 +73,7 @@ class RunFolder:
 
     def _exhausted_sources(self) -> list[str]:
         """The mixture sources some rank's stream has read to its end (every rank must call)."""
-        epochs = {k: v for k, v in gather_counters(self.dataloader).items() if k.endswith("/epochs")}
-        return [k.split("/")[1] for k, v in epochs.items() if k.startswith("mixture/") and v]
+        return [name for name, n in mixture_counter(gather_counters(self.dataloader), "epochs").items() if n]
 
     def _exhausted_exit(self, sources: list[str], again: bool) -> SourcesExhausted:
         exit_ = SourcesExhausted(self.step, self.job_config.training.steps, sources, again)

@@ -5,7 +5,8 @@ import sys
 
 import torch
 
-from mhar_titan.trainer import CPTTrainer, run
+from mhar_titan.main import run
+from mhar_titan.trainer import CPTTrainer
 
 NAN_STEPS = {int(s) for s in os.environ.get("NAN_STEPS", "").split(",") if s}
 

@@ -33,8 +33,8 @@ CLIS = {
     "data.index": "data.index",
     "data.demo_corpus": "data.demo_corpus",
     **{f"benchmarks.{name}": f"benchmarks.{name}" for name in (
-        "bench_checksums", "bench_data", "bench_routing", "bench_startup", "bench_step", "bpe128k",
-        "compile_report", "hf_export_check", "hf_smoke", "trace_summary")},
+        "bench_checkpoint_io", "bench_checksums", "bench_data", "bench_routing", "bench_startup", "bench_step",
+        "bpe128k", "compile_report", "hf_export_check", "hf_smoke", "trace_summary")},
 }  # fmt: skip
 # a few commands run for real, the one issue 23 saw warn among them (seconds each)
 RUN = ("mhar_titan.hf", "data.demo_corpus", "mhar_titan.components.tensorboard_scalars")

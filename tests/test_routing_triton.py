@@ -343,7 +343,7 @@ def test_logits_of_another_shape_are_refused_by_the_backward():
     grad = torch.randn_like(x)
     for bad, what in ((logits[:, :1], r"shape \(3, 1, 3, 8\)"), (logits.transpose(1, 2), "not contiguous")):
         with pytest.raises(ValueError, match=what):
-            host.stats(grad, bad, [s.detach() for s in sources], *params, H, 1e-5)
+            host.backward_stats(grad, bad, [s.detach() for s in sources], *params, H, 1e-5)
 
 
 def test_routing_source_is_the_tensor_itself_where_nothing_is_shared():

@@ -2,14 +2,16 @@
 
 - `route_op`: `torch.ops.mhar.route_fwd` / `route_bwd`, custom ops with autograd, which
   torch.compile keeps in its graph as one node each instead of breaking at every call; it saves
-  its inputs and its routing logits with save_for_backward and returns every gradient. Per-block-compiled training
-  takes this path (see `_route_eager_in_graph`), and the model's activation checkpointing keeps
-  its outputs (mhar_titan's parallelize: `keep_routing_outputs`).
-- `route_eager`: a plain autograd.Function over the same host wrappers, without the custom-op
-  dispatch, whose Python cost per call exceeds the kernels' own (kernels/NOTES.md). It keeps the
-  inputs and logits on its context (not save_for_backward), so an activation checkpoint around a
-  call has nothing to unpack and never re-runs the forward, and it sums the gradients of sources
-  marked with `shared.share_source_grad` in place.
+  its inputs and its routing logits with save_for_backward and returns every gradient
+  (`route_bwd` runs `host.custom_op_backward`). A graph traced through `route_eager` takes this
+  path (see `_route_eager_in_graph`).
+- `route_eager`: a plain autograd.Function (`_Route`) over the same host wrappers, without the
+  custom-op dispatch, whose Python cost per call exceeds the kernels' own (kernels/NOTES.md). It
+  keeps the inputs and logits on its context (not save_for_backward), so an activation checkpoint
+  around a call has nothing to unpack and never re-runs the forward, and it sums the gradients of
+  sources marked with `shared.share_source_grad` in place. Its backward (`_Route.backward`) runs
+  `host.backward_stats`, then `host.backward_mix` or `shared.backward_mix_shared`. The model's
+  training runs this path: it routes outside its compiled, checkpointed block bodies.
 Both return the routing logits [N, *shape[:-1], H] (fp32, the null's first) beside the output:
 the backward reads them rather than recomputing them, and statistics take their softmax.
 
@@ -69,7 +71,7 @@ def route_bwd(
     num_heads: int,
     eps: float,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return host.backward(grad_out, logits, sources, null, query, norm_weight, gate, num_heads, eps)
+    return host.custom_op_backward(grad_out, logits, sources, null, query, norm_weight, gate, num_heads, eps)
 
 
 @route_bwd.register_fake
@@ -177,15 +179,15 @@ class _Route(torch.autograd.Function):
         shared.check_open(ctx.slots)
         rstds, ctx.rstds = ctx.rstds, None
         tables = ctx.tables
-        call, dz, dq, dg, dgate = host.stats(
+        call, dz, dq, dg, dgate = host.backward_stats(
             grad_out, logits, sources, *site, ctx.num_heads, ctx.eps, rstds, tables, grad_like=params
         )
         # A shared source's gradient goes to its slot (None to autograd), the others to autograd.
         if all(slot is not None for slot in ctx.slots):
-            shared.mix_shared(call, sources, ctx.slots, ctx.num_heads, tables)
+            shared.backward_mix_shared(call, sources, ctx.slots, ctx.num_heads, tables)
             dsrcs = [None] * len(sources)
         else:
-            dsrcs = host.mix([call], sources, ctx.slots, ctx.num_heads, tables)
+            dsrcs = host.backward_mix([call], sources, ctx.slots, ctx.num_heads, tables)
         dx = grad_out if ctx.has_x else None
         return dx, dz, dq, dg, dgate, None, None, None, None, None, *dsrcs
 
@@ -253,12 +255,12 @@ class _RoutePair(torch.autograd.Function):
             return nothing
         shared.check_open(ctx.slots)
         if len(reached) == 2 and ctx.tables.stats_pair[len(sources)] is not None:
-            results = host.stats_pair(
+            results = host.backward_stats_pair(
                 (grad_a, grad_b), logits, sources, sites, ctx.num_heads, ctx.eps, rstds, ctx.tables, grads_like=params
             )
-        else:  # one site reached the loss, or two single-site passes are the faster (the table's None)
+        else:  # one site reached the loss, or the table asks for two single-site passes (an entry None)
             results = [
-                host.stats(g, lg, sources, *site, ctx.num_heads, ctx.eps, rstds, ctx.tables, grad_like=like)
+                host.backward_stats(g, lg, sources, *site, ctx.num_heads, ctx.eps, rstds, ctx.tables, grad_like=like)
                 for g, lg, site, like in reached
             ]
         # the second site's first, as autograd would run two separate calls (the later one first):
@@ -266,12 +268,12 @@ class _RoutePair(torch.autograd.Function):
         calls = [r[0] for r in results][::-1]
         if all(slot is not None for slot in ctx.slots):
             for call in calls:
-                shared.mix_shared(call, sources, ctx.slots, ctx.num_heads, ctx.tables)
+                shared.backward_mix_shared(call, sources, ctx.slots, ctx.num_heads, ctx.tables)
             dsrcs = [None] * len(sources)
         else:  # one mix pass serves several calls only over shared sources: one each, summed
-            dsrcs = host.mix(calls[:1], sources, ctx.slots, ctx.num_heads, ctx.tables)
+            dsrcs = host.backward_mix(calls[:1], sources, ctx.slots, ctx.num_heads, ctx.tables)
             for call in calls[1:]:
-                more = host.mix([call], sources, ctx.slots, ctx.num_heads, ctx.tables)
+                more = host.backward_mix([call], sources, ctx.slots, ctx.num_heads, ctx.tables)
                 dsrcs = [a if a is None else a.add_(b) for a, b in zip(dsrcs, more, strict=True)]
         grads = iter(r[1:] for r in results)
         dparams = [next(grads) if g is not None else (None,) * 4 for g in (grad_a, grad_b)]

@@ -1,10 +1,13 @@
 """Backward kernels of the routing op: stats (coefficients and weight-gradient partials), finish, mix, norm term.
 
-None uses atomics (repeated runs are bitwise equal), and they need only the op's inputs:
-- stats: per row, a pass over the sources that recomputes the softmax from the inputs and
-  writes, per source, row and head, the coefficients the sources' gradients are linear in, and a
-  second over the same tiles (from L1) that adds the query/norm-weight term to the program's sums
-  over its rows, so a call's parameter gradients need nothing else;
+None uses atomics (repeated runs are bitwise equal), and they need only the op's inputs and the
+routing logits its forward wrote:
+- stats: per row, a first pass over the sources that sums each one's product with the output
+  gradient per head (and its norm, unless a marked source's 1 / rms is given), takes the softmax
+  of the forward's logits (read, not recomputed: the query and norm weight are not read), and
+  writes, per source, row and head, the coefficients the sources' gradients are linear in; a
+  second pass over the same tiles (from L1) adds the query/norm-weight term to the program's
+  sums over its rows, so a call's parameter gradients need nothing else;
 - finish: sums those per-program partials in a fixed order;
 - mix: a streaming kernel over (row block, column block) tiles, with no row-wide reduction,
   that turns the coefficients into every source's gradient (for up to 4 calls over the same
@@ -162,7 +165,7 @@ def route_bwd_stats_kernel(
         # loads run two sources ahead of the reductions, as in the forward
         if PREFETCH:
             do, do2, s_a, s_b = n_do.to(tl.float32), n_do2.to(tl.float32), n_a, n_b
-        else:  # inline, as the forward's (kernels/NOTES.md, v14), the code the tune measured
+        else:  # inline, not lead_tiles, as in the forward: fewer registers (kernels/NOTES.md, "prefetched")
             do = load_raw(DOUT + base + cols, row_mask, EVEN).to(tl.float32)
             do2 = do
             if SITES > 1:

@@ -1,5 +1,8 @@
 """Host wrappers of the routing kernels: check, allocate and launch one forward, stats, mix or finishing pass.
 
+Forward: `forward`, `forward_pair`. The eager path's backward (autograd.py's Functions):
+`backward_stats` or `backward_stats_pair`, then `backward_mix` (or shared.backward_mix_shared).
+`custom_op_backward` chains the same two for the custom op's `route_bwd` alone.
 Each takes a `LaunchTables` (launch.DEFAULT_TABLES unless a benchmark passes another) and
 reads the allocation and launcher seams through the `launch` module (its docstring lists them).
 """
@@ -65,7 +68,7 @@ def forward(
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel: (x + gate * R in x's dtype, or gate * R in `out_dtype` (default: the
-    parameters') when x is None; routing logits [N, *shape[:-1], H] fp32, which `stats` reads).
+    parameters') when x is None; routing logits [N, *shape[:-1], H] fp32, which `backward_stats` reads).
     `rstds`: per source its 1 / rms per row where known, else None."""
     return _forward(x, sources, (Site(null, query, norm_weight, gate),), num_heads, eps, tables, rstds, out_dtype)[0]
 
@@ -126,7 +129,7 @@ class MixCall(NamedTuple):
     norm_weight: torch.Tensor
 
 
-def stats(
+def backward_stats(
     grad_out: torch.Tensor,
     logits: torch.Tensor,
     sources: Sequence[torch.Tensor],
@@ -146,10 +149,10 @@ def stats(
     (source_rstd), else None. `grad_like`: the parameters whose dtypes the gradients take
     (default: these), when these are cast copies."""
     site = Site(null, query, norm_weight, gate)
-    return _stats((grad_out,), (logits,), sources, (site,), num_heads, eps, rstds, tables, (grad_like,))[0]
+    return _backward_stats((grad_out,), (logits,), sources, (site,), num_heads, eps, rstds, tables, (grad_like,))[0]
 
 
-def stats_pair(
+def backward_stats_pair(
     grad_outs: Sequence[torch.Tensor],
     logits: Sequence[torch.Tensor],
     sources: Sequence[torch.Tensor],
@@ -160,17 +163,18 @@ def stats_pair(
     tables: LaunchTables = DEFAULT_TABLES,
     grads_like: Sequence[Sequence[torch.Tensor] | None] = (None, None),
 ) -> list[tuple[MixCall, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """`stats` for two sites over the same sources in one pass (each source read once), per site
-    (`logits`: each site's forward's); `grads_like`: per site, as `stats`'s `grad_like`."""
+    """`backward_stats` for two sites over the same sources in one pass (each source read once),
+    per site (`logits`: each site's forward's); `grads_like`: per site, as `backward_stats`'s
+    `grad_like`."""
     if not len(sites) == len(grad_outs) == len(logits) == 2:
         raise ValueError(
-            f"stats_pair takes two sites, two output gradients and two logits, got {len(sites)}, "
+            f"backward_stats_pair takes two sites, two output gradients and two logits, got {len(sites)}, "
             f"{len(grad_outs)}, {len(logits)}"
         )
-    return _stats(grad_outs, logits, sources, tuple(sites), num_heads, eps, rstds, tables, grads_like)
+    return _backward_stats(grad_outs, logits, sources, tuple(sites), num_heads, eps, rstds, tables, grads_like)
 
 
-def _stats(grad_outs, logits, sources, sites, num_heads, eps, rstds, tables, grads_like) -> list[tuple]:
+def _backward_stats(grad_outs, logits, sources, sites, num_heads, eps, rstds, tables, grads_like) -> list[tuple]:
     check_inputs(grad_outs[0], sources)
     d = grad_outs[0].shape[-1]
     m = grad_outs[0].numel() // d
@@ -241,7 +245,7 @@ def finish_param_grads(
     return dz, dq, dg, dgate
 
 
-def mix(
+def backward_mix(
     calls: Sequence[MixCall],
     sources: Sequence[torch.Tensor],
     slots: Sequence,
@@ -294,7 +298,7 @@ def apply_norm_term(
     launch.norm_launcher(grid, tables.norm["warps"], consts, src, grad, csum, m)
 
 
-def backward(
+def custom_op_backward(
     grad_out: torch.Tensor,
     logits: torch.Tensor,
     sources: Sequence[torch.Tensor],
@@ -306,9 +310,10 @@ def backward(
     eps: float,
     tables: LaunchTables = DEFAULT_TABLES,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of the sources and of the site's parameters, for one call on its own (`logits`:
-    its forward's)."""
+    """The custom op's backward (autograd.py's `route_bwd`; the eager Functions call the stats and
+    mix wrappers themselves, to share sources' gradients): the sources' and the site's parameter
+    gradients of one call on its own (`logits`: its forward's)."""
     site = (null, query, norm_weight, gate)
-    call, dz, dq, dg, dgate = stats(grad_out, logits, sources, *site, num_heads, eps, (), tables)
-    dsrcs = mix([call], sources, (None,) * len(sources), num_heads, tables)
+    call, dz, dq, dg, dgate = backward_stats(grad_out, logits, sources, *site, num_heads, eps, (), tables)
+    dsrcs = backward_mix([call], sources, (None,) * len(sources), num_heads, tables)
     return dsrcs, dz, dq, dg, dgate

@@ -1,8 +1,9 @@
 """Launch tables and the launcher of the routing kernels: the one module that touches Triton's internals.
 
-Launch shapes are per kernel tables (`FWD`, `STATS`, `MIX`, `NORM`, `RSTD`, `FINISH`, gathered in
-`DEFAULT_TABLES`); the host wrappers take a `LaunchTables` argument, so a benchmark tunes them by
-passing another one (`DEFAULT_TABLES.replace(...)`), never by assigning into these dicts.
+Launch shapes are per kernel tables (`FWD`, `STATS`, their two-site `FWD_PAIR`, `STATS_PAIR`, and
+`MIX`, `NORM`, `RSTD`, `FINISH`, gathered in `DEFAULT_TABLES`); the host wrappers take a
+`LaunchTables` argument, so a benchmark tunes them by passing another one
+(`DEFAULT_TABLES.replace(...)`), never by assigning into these dicts.
 `Launcher` launches a compiled kernel through its binary (Triton's `CompiledKernel.run`, a
 private API), after the first call of each specialisation went through Triton itself.
 
@@ -34,11 +35,11 @@ from kernels.triton.forward import route_fwd_kernel, source_rstd_kernel
 
 MAX_SOURCES = 8  # the kernels' source pointers: embedding + 7 block deltas (num_blocks <= 8)
 
-# Launch shapes (measured on an H200: kernels/NOTES.md, docs/performance.md; `python -m
-# benchmarks.bench_routing --tune` times the alternatives). Row kernels: rows each program walks,
-# warps per 4096 columns and a register cap per thread (None: ptxas decides), by the number of
-# caller sources, since registers grow with it. Mix kernel: tile rows, tile columns (within
-# one head) and warps.
+# Launch shapes, chosen with `python -m benchmarks.bench_routing --tune`, which times the
+# alternatives (the runs and their figures: kernels/NOTES.md, docs/performance.md). Row kernels:
+# rows each program walks, warps per 4096 columns and a register cap per thread (None: ptxas
+# decides), by the number of caller sources, since registers grow with it. Mix kernel: tile rows,
+# tile columns (within one head) and warps.
 # given_rstd (forward and stats): read a marked source's rstd (computed once, host.source_rstd)
 # instead of computing its full-width norm, the row kernels' one cross-warp sum per source
 FWD = {
@@ -61,10 +62,9 @@ STATS = {
     }
     for n in FWD
 }
-# Two sites over the same sources in one pass (a layer's two sites: host.forward_pair, stats_pair),
-# from `--tune pair` (docs/performance.md). A STATS_PAIR entry None would take two single-site
-# stats passes instead; with the next row's loads prefetched the two-site pass is the faster at
-# every source count.
+# Two sites over the same sources in one pass (a layer's two sites: host.forward_pair and
+# host.backward_stats_pair), from `--tune pair`. A STATS_PAIR entry None takes two single-site
+# stats passes instead; no entry is None now (kernels/NOTES.md, "Launch tables").
 _FWD_PAIR_SHAPES = {  # sources: (rows, register cap, prefetch)
     1: (4, None, True), 2: (4, None, True), 3: (4, None, True), 4: (2, 128, False),
     5: (1, None, False), 6: (1, 128, False), 7: (1, 128, False), 8: (2, 128, False),
@@ -73,7 +73,7 @@ FWD_PAIR = {
     n: {"rows": rows, "warps_per_4096": 8, "maxnreg": cap, "given_rstd": True, "prefetch": prefetch}
     for n, (rows, cap, prefetch) in _FWD_PAIR_SHAPES.items()
 }
-STATS_PAIR = {  # v16 (the forward's logits read): `--tune pair_load`, timed after matmuls
+STATS_PAIR = {  # from `--tune pair_load`, which runs the kernels after matmuls, as the step does
     n: {"rows": 64, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True, "prefetch": n <= 3} for n in FWD
 }
 MIX = {"block_m": 32, "block_kc": 64, "warps": 4, "calls": 4}  # calls: most calls one pass serves
@@ -193,8 +193,8 @@ def interpreting() -> bool:
 
 
 def cpu_rows(m: int) -> int:
-    """Rows per program in Triton's interpreter, where every program costs milliseconds of
-    Python: about four programs per kernel, as many rows each as that takes."""
+    """Rows per program in Triton's interpreter, where every program runs as Python: about four
+    programs per kernel, as many rows each as that takes."""
     return pow2(cdiv(m, 4))
 
 

@@ -68,11 +68,11 @@ class MixGroup:
     def flush(self) -> None:
         for slot in self.slots:
             slot.pending = None
-        host.mix(self.calls, self.sources, self.slots, self.num_heads, self.tables)
+        host.backward_mix(self.calls, self.sources, self.slots, self.num_heads, self.tables)
         self.calls = []
 
 
-def mix_shared(
+def backward_mix_shared(
     call: host.MixCall,
     sources: Sequence[torch.Tensor],
     slots: tuple[GradSlot, ...],

@@ -68,6 +68,134 @@ def write_delta_run(
     writer.close()
 
 
+def _ratio(x: float, noise: float | None) -> float | None:
+    """|Δ| in units of the control's batch noise; None when the noise is unknown or zero."""
+    return x / noise if noise else None
+
+
+def _head(
+    steps: list[int], deltas: list[float], c_loss: Series, m_loss: Series, noise: float | None
+) -> list[dict[str, Any]]:
+    """The first steps one by one: both losses, Δ and |Δ| in units of the noise."""
+    return [
+        {"step": s, "control": c_loss[s], "mhar": m_loss[s], "delta": d, "ratio": _ratio(abs(d), noise)}
+        for s, d in zip(steps[:HEAD_STEPS], deltas, strict=False)
+    ]
+
+
+def _quarters(steps: list[int], deltas: list[float], noise: float | None) -> list[dict[str, Any]]:
+    """The deltas summarised over each quarter of the aligned steps, to show drift over training."""
+    n = len(steps)
+    quarters = []
+    for q in range(4):
+        lo, hi = q * n // 4, (q + 1) * n // 4
+        if lo < hi:
+            part = [abs(d) for d in deltas[lo:hi]]
+            mean_abs = statistics.fmean(part)
+            quarters.append(
+                {
+                    "first": steps[lo],
+                    "last": steps[hi - 1],
+                    "mean_delta": statistics.fmean(deltas[lo:hi]),
+                    "mean_abs_delta": mean_abs,
+                    "max_abs_delta": max(part),
+                    "ratio": _ratio(mean_abs, noise),
+                }
+            )
+    return quarters
+
+
+def _loss_figures(
+    steps: list[int], deltas: list[float], c_loss: Series, m_loss: Series, noise: float | None
+) -> dict[str, Any]:
+    """The training-loss figures of the result: the first step's Δ, the noise, the head and the quarters."""
+    return {
+        "first_step": steps[0],
+        "first_step_delta": deltas[0],
+        "first_step_abs_delta": abs(deltas[0]),
+        "noise": noise,
+        "ratio_first": _ratio(abs(deltas[0]), noise),
+        "head": _head(steps, deltas, c_loss, m_loss, noise),
+        "quarters": _quarters(steps, deltas, noise),
+    }
+
+
+def _consistency_checks(cs: dict[str, Series], ms: dict[str, Series], steps: list[int]) -> dict[str, Any]:
+    """Did both arms see the same LR schedule, tokens and data? The data check reports its earliest divergence."""
+    checks = {tag: divergence(cs.get(tag), ms.get(tag), steps) for tag in CHECKED}
+    data_tags = sorted(
+        t for t in set(cs) | set(ms) if t == "data/docs" or t.startswith(("data/tokens/", "data/mixture/"))
+    )
+    data: dict[str, Any] = {"identical": True if data_tags else None}
+    for tag in data_tags:
+        d = divergence(cs.get(tag), ms.get(tag), steps)
+        if d["identical"] is False and (data["identical"] or d["step"] < data["step"]):
+            data = {**d, "tag": tag}
+    checks["data"] = {**data, "tags": len(data_tags)}
+    return checks
+
+
+def _tokens_per_s(cs: dict[str, Series], ms: dict[str, Series]) -> dict[str, float | None]:
+    tps = {
+        "control": median_after_warmup(cs.get("tokens_per_s")),
+        "mhar": median_after_warmup(ms.get("tokens_per_s")),
+    }
+    tps["ratio"] = tps["mhar"] / tps["control"] if tps["control"] and tps["mhar"] is not None else None
+    return tps
+
+
+def _val_delta_series(val: list[dict[str, Any]], changes: dict[str, list[dict[str, Any]]]) -> dict[str, Series]:
+    """The validation deltas between the arms (with their CI bounds) and each arm's change from the base."""
+    series: dict[str, Series] = {}
+    for kind, tag in (("raw", "delta/val_ce"), ("ema", "delta/val_ce_ema")):
+        points = [(r["step"], r[kind]) for r in val if r[kind] is not None]
+        if points:
+            series[tag] = {s: p["delta"] for s, p in points}
+            with_ci = [(s, p["ci"]) for s, p in points if p["ci"] is not None]
+            if with_ci:
+                series[f"{tag}_ci_low"] = {s: ci["low"] for s, ci in with_ci}
+                series[f"{tag}_ci_high"] = {s: ci["high"] for s, ci in with_ci}
+    for role, rows in changes.items():
+        for kind, tag in cval.VAL_TAGS.items():
+            points = {row["step"]: row[kind]["delta"] for row in rows if row[kind]}
+            if points:
+                series[f"from_base/{role}/{tag.replace('/', '_')}"] = points
+    return series
+
+
+def _delta_series(
+    cs: dict[str, Series],
+    ms: dict[str, Series],
+    steps: list[int],
+    deltas: list[float],
+    val: list[dict[str, Any]],
+    changes: dict[str, list[dict[str, Any]]],
+) -> dict[str, Series]:
+    """Every series of the delta TensorBoard run: training loss and CE deltas, then the validation ones."""
+    series: dict[str, Series] = {
+        "delta/train_loss": dict(zip(steps, deltas, strict=True)),
+        "delta/abs_train_loss": {s: abs(d) for s, d in zip(steps, deltas, strict=True)},
+    }
+    if CE_TAG in cs and CE_TAG in ms:
+        series["delta/train_ce"] = {
+            s: ms[CE_TAG][s] - cs[CE_TAG][s] for s in steps if s in cs[CE_TAG] and s in ms[CE_TAG]
+        }
+    series.update(_val_delta_series(val, changes))
+    return series
+
+
+def _write_routing_and_deltas(
+    out: Path, delta_dir: Path, ms: dict[str, Series], m_run: Path, delta_series: dict[str, Series]
+) -> tuple[routing.RoutingLog | None, list[Path]]:
+    """Draws the MHAR arm's routing into `out` and writes the delta run with its images; returns the
+    routing log (None when the arm logged none) and the routing plots."""
+    out.mkdir(parents=True, exist_ok=True)
+    routing_log = routing.read_routing(ms, m_run)
+    routing_plots, routing_images = routing.write(out, routing_log)
+    write_delta_run(delta_dir, delta_series, routing_images)
+    return routing_log, routing_plots
+
+
 def compare(
     pair_dir: str | Path, out_dir: str | Path | None = None, control: str = "control", mhar: str = "mhar"
 ) -> dict[str, Any]:
@@ -84,79 +212,15 @@ def compare(
         raise ValueError(f"{c_run} and {m_run} have no {LOSS_TAG!r} step in common")
     deltas = [m_loss[s] - c_loss[s] for s in steps]
     noise = batch_noise([c_loss[s] for s in steps])
-
-    def ratio(x: float) -> float | None:
-        return x / noise if noise else None
-
-    n = len(steps)
-    quarters = []
-    for q in range(4):
-        lo, hi = q * n // 4, (q + 1) * n // 4
-        if lo < hi:
-            part = [abs(d) for d in deltas[lo:hi]]
-            mean_abs = statistics.fmean(part)
-            quarters.append(
-                {
-                    "first": steps[lo],
-                    "last": steps[hi - 1],
-                    "mean_delta": statistics.fmean(deltas[lo:hi]),
-                    "mean_abs_delta": mean_abs,
-                    "max_abs_delta": max(part),
-                    "ratio": ratio(mean_abs),
-                }
-            )
-    head = [
-        {"step": s, "control": c_loss[s], "mhar": m_loss[s], "delta": d, "ratio": ratio(abs(d))}
-        for s, d in zip(steps[:HEAD_STEPS], deltas, strict=False)
-    ]
     val = cval.validation(cs, ms, cv, mv)
     base = cval.base_check(cs, ms, cv, mv)
     changes = {"control": cval.from_base(cs, cv), "mhar": cval.from_base(ms, mv)}
     sets = cval.named_sets(cs, ms, cv, mv)
-
-    checks = {tag: divergence(cs.get(tag), ms.get(tag), steps) for tag in CHECKED}
-    data_tags = sorted(
-        t for t in set(cs) | set(ms) if t == "data/docs" or t.startswith(("data/tokens/", "data/mixture/"))
-    )
-    data: dict[str, Any] = {"identical": True if data_tags else None}
-    for tag in data_tags:
-        d = divergence(cs.get(tag), ms.get(tag), steps)
-        if d["identical"] is False and (data["identical"] or d["step"] < data["step"]):
-            data = {**d, "tag": tag}
-    checks["data"] = {**data, "tags": len(data_tags)}
-
-    tps = {
-        "control": median_after_warmup(cs.get("tokens_per_s")),
-        "mhar": median_after_warmup(ms.get("tokens_per_s")),
-    }
-    tps["ratio"] = tps["mhar"] / tps["control"] if tps["control"] and tps["mhar"] is not None else None
-
-    delta_series: dict[str, Series] = {
-        "delta/train_loss": dict(zip(steps, deltas, strict=True)),
-        "delta/abs_train_loss": {s: abs(d) for s, d in zip(steps, deltas, strict=True)},
-    }
-    if CE_TAG in cs and CE_TAG in ms:
-        delta_series["delta/train_ce"] = {
-            s: ms[CE_TAG][s] - cs[CE_TAG][s] for s in steps if s in cs[CE_TAG] and s in ms[CE_TAG]
-        }
-    for kind, tag in (("raw", "delta/val_ce"), ("ema", "delta/val_ce_ema")):
-        points = [(r["step"], r[kind]) for r in val if r[kind] is not None]
-        if points:
-            delta_series[tag] = {s: p["delta"] for s, p in points}
-            with_ci = [(s, p["ci"]) for s, p in points if p["ci"] is not None]
-            if with_ci:
-                delta_series[f"{tag}_ci_low"] = {s: ci["low"] for s, ci in with_ci}
-                delta_series[f"{tag}_ci_high"] = {s: ci["high"] for s, ci in with_ci}
-    for role, rows in changes.items():
-        for kind, tag in cval.VAL_TAGS.items():
-            points = {row["step"]: row[kind]["delta"] for row in rows if row[kind]}
-            if points:
-                delta_series[f"from_base/{role}/{tag.replace('/', '_')}"] = points
+    checks = _consistency_checks(cs, ms, steps)
+    tps = _tokens_per_s(cs, ms)
+    delta_series = _delta_series(cs, ms, steps, deltas, val, changes)
     delta_dir = pair / DELTA_RUN
-    out.mkdir(parents=True, exist_ok=True)
-    routing_log = routing.read_routing(ms, m_run)
-    routing_plots, routing_images = routing.write(out, routing_log)
-    write_delta_run(delta_dir, delta_series, routing_images)
+    routing_log, routing_plots = _write_routing_and_deltas(out, delta_dir, ms, m_run, delta_series)
 
     result: dict[str, Any] = {
         "pair": str(pair),
@@ -164,13 +228,7 @@ def compare(
         "steps": steps,
         "only_control": sorted(set(c_loss) - set(m_loss)),
         "only_mhar": sorted(set(m_loss) - set(c_loss)),
-        "first_step": steps[0],
-        "first_step_delta": deltas[0],
-        "first_step_abs_delta": abs(deltas[0]),
-        "noise": noise,
-        "ratio_first": ratio(abs(deltas[0])),
-        "head": head,
-        "quarters": quarters,
+        **_loss_figures(steps, deltas, c_loss, m_loss, noise),
         "val": val,
         "base": base,
         "base_identical": base["identical"],
@@ -184,13 +242,29 @@ def compare(
         "delta_dir": str(delta_dir),
         "routing": routing.summary(routing_log) if routing_log is not None else None,
     }
+    _write_report(result, out, c_loss, m_loss, deltas, routing_plots, control, mhar)
+    return result
+
+
+def _write_report(
+    result: dict[str, Any],
+    out: Path,
+    c_loss: Series,
+    m_loss: Series,
+    deltas: list[float],
+    routing_plots: list[Path],
+    control: str,
+    mhar: str,
+) -> None:
+    """Draws the plots and writes report.md, keeping mhar_titan.eval's eval.md appended when it is there;
+    records both paths in `result`."""
+    steps, noise, val = result["steps"], result["noise"], result["val"]
     plots = report.plots(out, steps, c_loss, m_loss, deltas, noise, val, control, mhar) + routing_plots
     result["plots"] = [str(p) for p in plots]
     report_md, evaluation = out / "report.md", out / "eval.md"  # eval.md: mhar_titan.eval's, kept when redone
     text = report.report_text(result, control, mhar)
     report_md.write_text(text + ("\n" + evaluation.read_text() if evaluation.exists() else ""))
     result["report"] = str(report_md)
-    return result
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,18 @@ CHECKED = ("lr/decay", "tokens_seen")
 Series = dict[int, float]
 
 
+def _save(fig: Figure, out: Path, name: str) -> Path:
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    return out / name
+
+
+def _new_figure(height: float) -> Figure:
+    fig = Figure(figsize=(8, height))
+    FigureCanvasAgg(fig)
+    return fig
+
+
 def plots(
     out: Path,
     steps: list[int],
@@ -30,22 +42,32 @@ def plots(
     control: str,
     mhar: str,
 ) -> list[Path]:
-    def save(fig: Figure, name: str) -> Path:
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        return out / name
+    """The comparison's PNGs in `out`: both loss curves, the paired loss delta, and the validation deltas
+    when there are any (a stale val_delta.png is removed)."""
+    paths = [
+        _train_loss_plot(out, steps, c_loss, m_loss, control, mhar),
+        _delta_plot(out, steps, deltas, noise, control, mhar),
+    ]
+    stale = out / "val_delta.png"
+    stale.unlink(missing_ok=True)
+    if any(r["raw"] or r["ema"] for r in val):
+        paths.append(_val_delta_plot(out, val, control, mhar))
+    return paths
 
-    fig = Figure(figsize=(8, 4.5))
-    FigureCanvasAgg(fig)
+
+def _train_loss_plot(out: Path, steps: list[int], c_loss: Series, m_loss: Series, control: str, mhar: str) -> Path:
+    fig = _new_figure(4.5)
     ax = fig.add_subplot()
     ax.plot(steps, [c_loss[s] for s in steps], lw=0.8, label=control)
     ax.plot(steps, [m_loss[s] for s in steps], lw=0.8, label=mhar, alpha=0.8)
     ax.set(xlabel="step", ylabel=LOSS_TAG, title="training loss")
     ax.legend()
-    paths = [save(fig, "train_loss.png")]
+    return _save(fig, out, "train_loss.png")
 
-    fig = Figure(figsize=(8, 6.5))
-    FigureCanvasAgg(fig)
+
+def _delta_plot(out: Path, steps: list[int], deltas: list[float], noise: float | None, control: str, mhar: str) -> Path:
+    """Δ and |Δ| (log scale) of the training loss against the control's batch noise."""
+    fig = _new_figure(6.5)
     top, bottom = fig.subplots(2, 1, sharex=True)
     top.plot(steps, deltas, lw=0.8, color="C3", label=f"Δ = {mhar} − {control}")
     abs_d = [abs(d) for d in deltas]
@@ -60,35 +82,33 @@ def plots(
     bottom.set(xlabel="step", ylabel="|Δ train loss|")
     top.legend(loc="upper right")
     bottom.legend(loc="lower right")
-    paths.append(save(fig, "delta_train_loss.png"))
+    return _save(fig, out, "delta_train_loss.png")
 
-    stale = out / "val_delta.png"
-    stale.unlink(missing_ok=True)
-    if any(r["raw"] or r["ema"] for r in val):
-        fig = Figure(figsize=(8, 4.5))
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        span = (val[-1]["step"] - val[0]["step"]) or 1
-        for i, (kind, label) in enumerate((("raw", "raw weights"), ("ema", "EMA weights"))):
-            shift = (i - 0.5) * 0.01 * span
-            ci = [(r["step"] + shift, r[kind]["ci"]) for r in val if r[kind] and r[kind]["ci"]]
-            if ci:
-                ax.errorbar(
-                    [x for x, _ in ci],
-                    [c["mean"] for _, c in ci],
-                    yerr=[c["half_width"] for _, c in ci],
-                    fmt="o",
-                    color=f"C{i}",
-                    capsize=3,
-                    label=f"{label}: mean per-batch Δ, 95% CI",
-                )
-            agg = [(r["step"] + shift, r[kind]["delta"]) for r in val if r[kind]]
-            ax.plot([x for x, _ in agg], [d for _, d in agg], "x", color=f"C{i}", label=f"{label}: Δ val CE")
-        ax.axhline(0, color="k", lw=0.5)
-        ax.set(xlabel="step", ylabel="Δ val CE", title=f"validation: {mhar} − {control}")
-        ax.legend()
-        paths.append(save(fig, "val_delta.png"))
-    return paths
+
+def _val_delta_plot(out: Path, val: list[dict], control: str, mhar: str) -> Path:
+    """Validation deltas per weight set, raw and EMA shifted apart so their CI bars do not overlap."""
+    fig = _new_figure(4.5)
+    ax = fig.add_subplot()
+    span = (val[-1]["step"] - val[0]["step"]) or 1
+    for i, (kind, label) in enumerate((("raw", "raw weights"), ("ema", "EMA weights"))):
+        shift = (i - 0.5) * 0.01 * span
+        ci = [(r["step"] + shift, r[kind]["ci"]) for r in val if r[kind] and r[kind]["ci"]]
+        if ci:
+            ax.errorbar(
+                [x for x, _ in ci],
+                [c["mean"] for _, c in ci],
+                yerr=[c["half_width"] for _, c in ci],
+                fmt="o",
+                color=f"C{i}",
+                capsize=3,
+                label=f"{label}: mean per-batch Δ, 95% CI",
+            )
+        agg = [(r["step"] + shift, r[kind]["delta"]) for r in val if r[kind]]
+        ax.plot([x for x, _ in agg], [d for _, d in agg], "x", color=f"C{i}", label=f"{label}: Δ val CE")
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set(xlabel="step", ylabel="Δ val CE", title=f"validation: {mhar} − {control}")
+    ax.legend()
+    return _save(fig, out, "val_delta.png")
 
 
 def _f(x: float | None, fmt: str = ".3e") -> str:
@@ -114,9 +134,21 @@ def _check_text(check: dict[str, Any], control: str, mhar: str, n: int) -> str:
 
 
 def report_text(r: dict[str, Any], control: str, mhar: str) -> str:
-    steps, noise = r["steps"], r["noise"]
-    first_loss = r["head"][0]["control"]
-    ulp = 2.0 ** (math.frexp(first_loss)[1] - 24) if first_loss else None
+    """report.md: the alignment, the training-loss deltas against the noise, validation, routing,
+    throughput and the consistency checks."""
+    lines = _intro_lines(r, control, mhar)
+    lines += _training_loss_lines(r, control, mhar)
+    lines += cval.report_lines(r, control, mhar)
+    lines += cval.named_set_lines(r.get("validation_sets", []), control, mhar)
+    lines += routing.report_lines(r.get("routing"), mhar, r["delta_dir"])
+    lines += _throughput_lines(r["tokens_per_s"], control, mhar)
+    lines += _consistency_lines(r, control, mhar)
+    return "\n".join(lines)
+
+
+def _intro_lines(r: dict[str, Any], control: str, mhar: str) -> list[str]:
+    """Title, what Δ is and which steps were aligned, and the base warning when the arms' step 0 differs."""
+    steps = r["steps"]
     lines = [
         f"# Paired comparison: {r['pair']}",
         "",
@@ -130,7 +162,15 @@ def report_text(r: dict[str, Any], control: str, mhar: str) -> str:
     ]
     warning = cval.base_warning(r["base"], control, mhar)
     lines += [warning, ""] if warning else []
-    lines += [
+    return lines
+
+
+def _training_loss_lines(r: dict[str, Any], control: str, mhar: str) -> list[str]:
+    """The training-loss section: the noise, the float32 resolution, the first steps and the quarters."""
+    steps, noise = r["steps"], r["noise"]
+    first_loss = r["head"][0]["control"]
+    ulp = 2.0 ** (math.frexp(first_loss)[1] - 24) if first_loss else None
+    lines = [
         "## Training loss",
         "",
         f"Batch-to-batch noise of the control: **{_f(noise)}**, the sd of its successive loss differences / √2 over "
@@ -162,13 +202,11 @@ def report_text(r: dict[str, Any], control: str, mhar: str) -> str:
         for q in r["quarters"]
     ]
     lines += ["", "![training loss](train_loss.png)", "", "![delta training loss](delta_train_loss.png)", ""]
+    return lines
 
-    lines += cval.report_lines(r, control, mhar)
-    lines += cval.named_set_lines(r.get("validation_sets", []), control, mhar)
-    lines += routing.report_lines(r.get("routing"), mhar, r["delta_dir"])
 
-    t = r["tokens_per_s"]
-    lines += [
+def _throughput_lines(t: dict[str, Any], control: str, mhar: str) -> list[str]:
+    return [
         "## Throughput",
         "",
         f"| | {control} | {mhar} | {mhar}/{control} |",
@@ -176,12 +214,18 @@ def report_text(r: dict[str, Any], control: str, mhar: str) -> str:
         f"| tokens/s per device (median after the first {WARMUP_LOGS} log steps) | {_f(t['control'], ',.0f')} | "
         f"{_f(t['mhar'], ',.0f')} | {_f(t['ratio'], '.4f')} |",
         "",
+    ]
+
+
+def _consistency_lines(r: dict[str, Any], control: str, mhar: str) -> list[str]:
+    """Whether both arms ran the same schedule and data, as a table."""
+    lines = [
         "## Consistency (same schedule, same data)",
         "",
         "| series | result |",
         "|---|---|",
     ]
-    n = len(steps)
+    n = len(r["steps"])
     lines += [f"| `{tag}` | {_check_text(r['checks'][tag], control, mhar, n)} |" for tag in CHECKED]
     data = r["checks"]["data"]
     lines += [
@@ -189,7 +233,7 @@ def report_text(r: dict[str, Any], control: str, mhar: str) -> str:
         f"{_check_text(data, control, mhar, n)} |",
         "",
     ]
-    return "\n".join(lines)
+    return lines
 
 
 def summary_lines(r: dict[str, Any]) -> list[str]:

@@ -141,8 +141,15 @@ def _ci_text(p: dict[str, Any]) -> tuple[str, str]:
 def report_lines(r: dict[str, Any], control: str, mhar: str) -> list[str]:
     """The report's "Validation" section: the base, each arm's change from it, and MHAR − control."""
     lines = ["## Validation", ""]
-    base, changes = r["base"], r["from_base"]
-    lines += ["### The base (step 0)", ""]
+    lines += _base_lines(r["base"], control, mhar)
+    lines += _from_base_lines(r["from_base"], control, mhar)
+    lines += _between_arms_lines(r["val"], r["from_base"], control, mhar)
+    return lines
+
+
+def _base_lines(base: dict[str, Any], control: str, mhar: str) -> list[str]:
+    """The "base (step 0)" subsection: identical, differing (with a table), or not validated in both arms."""
+    lines = ["### The base (step 0)", ""]
     if base["identical"] is True:
         values = "; ".join(
             f"`{VAL_TAGS[k]}` {base[k]['control']:.6f}, compared over {base[k]['compared']}"
@@ -167,6 +174,25 @@ def report_lines(r: dict[str, Any], control: str, mhar: str) -> list[str]:
             "no change from the base."
         )
     lines.append("")
+    return lines
+
+
+def _from_base_row(row: dict[str, Any]) -> str:
+    """One table row of an arm's change from the base: raw and EMA deltas with CIs, batches, distinct notes."""
+    cells, notes, n = [], [], None
+    for kind in VAL_TAGS:
+        p = row[kind]
+        cells += [f"{p['delta']:+.3e}", _ci_text(p)[1]] if p else ["n/a", "n/a"]
+        if p:
+            n = n or p["n"]
+            if p["note"] and p["note"] not in notes:
+                notes.append(p["note"])
+    return f"| {row['step']} | {' | '.join(cells)} | {n or 'n/a'} | {'; '.join(notes)} |"
+
+
+def _from_base_lines(changes: dict[str, list[dict[str, Any]]], control: str, mhar: str) -> list[str]:
+    """One table per arm of its change from the base, then what Δ from the base means."""
+    lines: list[str] = []
     for role, name in (("control", control), ("mhar", mhar)):
         rows = changes[role]
         if not rows:
@@ -177,16 +203,7 @@ def report_lines(r: dict[str, Any], control: str, mhar: str) -> list[str]:
             "| step | Δ val CE | 95% CI | Δ val CE (EMA) | 95% CI (EMA) | batches | note |",
             "|---:|---:|---|---:|---|---:|---|",
         ]
-        for row in rows:
-            cells, notes, n = [], [], None
-            for kind in VAL_TAGS:
-                p = row[kind]
-                cells += [f"{p['delta']:+.3e}", _ci_text(p)[1]] if p else ["n/a", "n/a"]
-                if p:
-                    n = n or p["n"]
-                    if p["note"] and p["note"] not in notes:
-                        notes.append(p["note"])
-            lines.append(f"| {row['step']} | {' | '.join(cells)} | {n or 'n/a'} | {'; '.join(notes)} |")
+        lines += [_from_base_row(row) for row in rows]
         lines.append("")
     if any(changes.values()):
         lines += [
@@ -194,11 +211,18 @@ def report_lines(r: dict[str, Any], control: str, mhar: str) -> list[str]:
             "paired over the same batches as below.",
             "",
         ]
+    return lines
 
-    if not r["val"]:
+
+def _between_arms_lines(
+    val: list[dict[str, Any]], changes: dict[str, list[dict[str, Any]]], control: str, mhar: str
+) -> list[str]:
+    """MHAR − control per weight set at each evaluation after the base, and how the CI is computed."""
+    lines: list[str] = []
+    if not val:
         lines += [f"No evaluation after step {BASE_STEP} in both arms.", ""]
     for kind, title in (("raw", "raw weights (`val/ce`)"), ("ema", "EMA weights (`val/ce_ema`)")):
-        rows = [(v["step"], v[kind]) for v in r["val"] if v[kind]]
+        rows = [(v["step"], v[kind]) for v in val if v[kind]]
         if not rows:
             continue
         lines += [
@@ -211,13 +235,13 @@ def report_lines(r: dict[str, Any], control: str, mhar: str) -> list[str]:
             mean, span = _ci_text(p)
             lines.append(f"| {step} | {p['delta']:+.3e} | {mean} | {span} | {p['n'] or 'n/a'} | {p['note']} |")
         lines.append("")
-    if r["val"] or any(changes.values()):
+    if val or any(changes.values()):
         lines += [
             "Δ val CE is token-weighted over all batches (as `val/ce`); the CI is paired over the same batches: "
             "mean of the per-batch CE differences ± t(0.975, n−1)·sd/√n.",
             "",
         ]
-        if any(v["raw"] or v["ema"] for v in r["val"]):
+        if any(v["raw"] or v["ema"] for v in val):
             lines += ["![validation deltas](val_delta.png)", ""]
     return lines
 

@@ -32,6 +32,7 @@ from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 
 from mhar_titan.components.checksums import verify_share, without_torch_crc32, write_manifest
+from mhar_titan.components.collectives import gather_objects
 from mhar_titan.components.run_checks import save_failure
 from mhar_titan.hf.ledger import build_ledger
 from mhar_titan.model.state_dict_adapter import OUR_ROUTING
@@ -70,16 +71,6 @@ def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _gather(value: Any) -> list[Any]:
-    """Every rank's `value` (small, picklable), on every rank."""
-    world = _rank_world()[1]
-    if world == 1:
-        return [value]
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, value)
-    return everyone
-
-
 def _cause(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()][-1:] or [""]
     return f"{type(error).__name__}: {lines[0][:300]}"
@@ -94,7 +85,7 @@ def verify_checkpoint(checkpoint_id: str) -> None:
         mine = verify_share(checkpoint_id, rank, world)
     except OSError as e:  # reported, not raised here: the other ranks wait in the gather below
         mine = ([f"{checkpoint_id}: {type(e).__name__}: {e}"], [])
-    everyone = _gather(mine)
+    everyone = gather_objects(mine)
     problems = [p for share in everyone for p in share[0]]
     unverified = sorted(n for share in everyone for n in share[1])
     if problems:
@@ -162,7 +153,7 @@ class CPTCheckpointManager(CheckpointManager):
                 error = e
             # A rank that failed on its own (a data stream's state it alone reads) must not leave the
             # others training on a checkpoint it could not load: every rank takes the same decision.
-            failures = _gather(None if error is None else _cause(error))
+            failures = gather_objects(None if error is None else _cause(error))
             if not any(failures):
                 logger.info(f"The run resumes from its checkpoint {checkpoint_id} (step {candidate})")
                 return True

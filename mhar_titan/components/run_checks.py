@@ -14,11 +14,28 @@ from typing import Any
 
 import torch.nn as nn
 from torchtitan.config import JobConfig
+from torchtitan.tools.logging import logger
 
+from data.index import share_from_rank0
 from mhar_titan.components import fingerprint
 from mhar_titan.components.run_record import MODEL_ARGS_FILE
 
 GIB = 2**30
+
+
+def check_resume(
+    job_config: JobConfig, current: dict[str, Any], steps: list[int], folder: str, checkpoint_bytes: int
+) -> list[str]:
+    """Before any load, on every rank: the run in dump_folder is the one this job describes (returns the lines of
+    the changes [checkpoint] allow_changes permits; raises listing any other difference), and its checkpoint
+    `folder` (with the complete checkpoints `steps`) takes a checkpoint of `checkpoint_bytes`."""
+    recorded = fingerprint.read(job_config.job.dump_folder) or {}
+    for name in fingerprint.unchecked(recorded, current) if recorded else []:
+        logger.warning(f"{name}: not in the run's fingerprint (recorded by an older version): not checked")
+    changes = check_run(job_config, current, steps)
+    if job_config.checkpoint.enable:
+        share_from_rank0(lambda: check_checkpoint_folder(folder, checkpoint_bytes) or {})
+    return changes
 
 
 def check_run(job_config: JobConfig, current: dict[str, Any], steps: list[int]) -> list[str]:

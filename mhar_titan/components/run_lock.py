@@ -257,3 +257,11 @@ def acquire_everywhere(lock: RunLock | None, share: Callable[[Callable[[], dict]
             return verdict["line"]
         if verdict["kind"] == "refuse":
             raise LockHeld(verdict["line"])
+
+
+def lock_lost(step: int, dump_folder: str) -> RuntimeError:
+    """The error a job stops with once another job has taken its run folder over: it writes nothing more there."""
+    return RuntimeError(
+        f"step {step}: {os.path.join(dump_folder, LOCK_FILE)} was taken over by another job (this job's heartbeat "
+        "had stalled past [job] run_lock_stale_s); stopping without writing anything more to the run folder"
+    )

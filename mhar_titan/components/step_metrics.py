@@ -2,37 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
-from torchtitan.components.metrics import BaseLogger, LoggerContainer, MetricsProcessor, TensorBoardLogger
+from torchtitan.components.metrics import BaseLogger, MetricsProcessor, TensorBoardLogger
+
+from mhar_titan.titan_compat import each_logger, take_log_window, tensorboard_writer
 
 
 def throughput(mp: MetricsProcessor) -> dict[str, float]:
     """Tokens/s per device, MFU and peak memory since the last log step; resets those counters."""
-    elapsed = time.perf_counter() - mp.time_last_log
-    tps = mp.ntokens_since_last_log / (elapsed * mp.parallel_dims.non_data_parallel_size)
-    loading = sum(mp.data_loading_times)
-    mem = mp.device_memory_monitor.get_peak_stats()
-    out: dict[str, Any] = {
+    w = take_log_window(mp)
+    tps = w["tokens"] / (w["seconds"] * mp.parallel_dims.non_data_parallel_size)
+    mem = w["memory"]
+    return {
         "tokens_per_s": tps,
-        "mfu": 100 * mp.num_flops_per_token * tps / mp.gpu_peak_flops,
+        "mfu": 100 * w["flops_per_token"] * tps / w["peak_flops"],
         "memory/peak_active_gib": mem.max_active_gib,
         "memory/peak_reserved_gib": mem.max_reserved_gib,
         "memory/alloc_retries": mem.num_alloc_retries,
-        "time/step_s": elapsed / mp.job_config.metrics.log_freq,
-        "time/data_loading_pct": 100 * loading / elapsed,
+        "time/step_s": w["seconds"] / mp.job_config.metrics.log_freq,
+        "time/data_loading_pct": 100 * w["loading_seconds"] / w["seconds"],
     }
-    mp.ntokens_since_last_log = 0
-    mp.data_loading_times.clear()
-    mp.time_last_log = time.perf_counter()
-    mp.device_memory_monitor.reset_peak_stats()
-    return out
 
 
 def rank_peaks(peak_active_gib: float, device: torch.device) -> dict[str, float]:
@@ -72,16 +68,13 @@ class MemoryPhases:
         return {f"memory/after_{phase}_gib": seen[phase] for phase in self.PHASES if phase in seen}
 
 
-def _each_logger(logger: BaseLogger) -> list[BaseLogger]:
-    return logger._loggers if isinstance(logger, LoggerContainer) else [logger]
-
-
 def log_scalars(logger: BaseLogger, metrics: dict[str, float], step: int) -> None:
     """`logger.log(metrics, step)`, with each TensorBoard writer given one event that holds every
     value (TensorBoard reads each as its own scalar): torch's add_scalar builds and queues an event
     per value, which the routing statistics' hundreds of values turn into host time a step."""
-    for lg in _each_logger(logger):
-        writer = lg.writer.file_writer if isinstance(lg, TensorBoardLogger) else None
+    for lg in each_logger(logger):
+        tb = tensorboard_writer(lg)
+        writer = None if tb is None else tb.file_writer
         if writer is None:
             lg.log(metrics, step)
             continue
@@ -98,6 +91,69 @@ def to_device_nowait(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+FLAGS = ("bad", "stop", "loss_max", "lock_lost", "exhausted")  # agreed by one MAX all-reduce a step
+
+
+@dataclasses.dataclass
+class StepValues:
+    """A step's scalars as the host reads them back: the agreed flags, the gradient norm, on log steps the loss
+    summed over the data-parallel ranks with its parts' sums (CE, z-term, valid tokens) when the loss has parts,
+    and on their steps the routing statistics."""
+
+    bad: bool
+    stop: bool
+    loss_max: float
+    lock_lost: bool
+    exhausted: bool
+    grad_norm: float
+    loss: float | None
+    parts: tuple[float, ...] | None
+    stats: list[float]
+
+
+class StepScalars:
+    """The layout of the one tensor a step reads back (`StepReadback`): named values in, named values out, so
+    no caller counts positions."""
+
+    def __init__(self) -> None:
+        self.n_loss = self.n_stats = 0
+
+    @staticmethod
+    def flags(like: torch.Tensor, **named: torch.Tensor | float) -> torch.Tensor:
+        """The FLAGS, by name, stacked on `like`'s device in float32 (without a host copy of a device value)."""
+        if set(named) != set(FLAGS):
+            raise ValueError(f"step flags {sorted(named)}, expected {sorted(FLAGS)}")
+        return torch.stack(
+            [
+                v.float().reshape(()) if torch.is_tensor(v) else like.new_full((), float(v), dtype=torch.float32)
+                for v in map(named.get, FLAGS)
+            ]
+        )
+
+    def pack(
+        self, flags: torch.Tensor, grad_norm: torch.Tensor, loss_sums: torch.Tensor | None, stats: torch.Tensor | None
+    ) -> torch.Tensor:
+        self.n_loss = 0 if loss_sums is None else loss_sums.numel()
+        self.n_stats = 0 if stats is None else stats.numel()
+        pieces = [flags.double().flatten(), grad_norm.detach().double().reshape(1)]
+        pieces += [t.detach().double().flatten() for t in (loss_sums, stats) if t is not None]
+        return torch.cat(pieces)
+
+    def unpack(self, values: list[float]) -> StepValues:
+        n_flags = len(FLAGS)
+        if len(values) != n_flags + 1 + self.n_loss + self.n_stats:
+            raise ValueError(f"{len(values)} step values, the layout has {n_flags + 1 + self.n_loss + self.n_stats}")
+        named = dict(zip(FLAGS, values[:n_flags], strict=True))
+        sums = values[n_flags + 1 : n_flags + 1 + self.n_loss]
+        return StepValues(
+            **{k: v if k == "loss_max" else bool(v) for k, v in named.items()},
+            grad_norm=values[n_flags],
+            loss=sums[0] if sums else None,
+            parts=tuple(sums[1:]) if len(sums) > 1 else None,
+            stats=values[n_flags + 1 + self.n_loss :],
+        )
 
 
 class StepReadback:
@@ -132,7 +188,7 @@ class StepReadback:
 
 def flush(mp: MetricsProcessor) -> None:
     """Push logged scalars to disk, so a killed job loses none of the steps it finished."""
-    for backend in _each_logger(mp.logger):
+    for backend in each_logger(mp.logger):
         writer = getattr(backend, "writer", None)
         if writer is not None:
             writer.flush()
@@ -199,7 +255,7 @@ def one_tensorboard_run(mp: MetricsProcessor, folder: str, step: int) -> None:
     (torchtitan's), so a preempted and resumed job is one run in TensorBoard. Its events from step + 1
     on are purged (`purge_step`): a job resumed from an earlier checkpoint replaces what the lost
     timeline logged after it. Called once the checkpoint is loaded (`step`: the resumed step)."""
-    for lg in _each_logger(mp.logger):
+    for lg in each_logger(mp.logger):
         if not isinstance(lg, TensorBoardLogger):
             continue
         old = Path(lg.writer.log_dir)
@@ -212,7 +268,7 @@ def one_tensorboard_run(mp: MetricsProcessor, folder: str, step: int) -> None:
 def discard_tensorboard_run(mp: MetricsProcessor) -> None:
     """A job refused before its first step: close torchtitan's timestamped writer and remove what this
     process put there, so no empty run appears in TensorBoard."""
-    for lg in _each_logger(mp.logger):
+    for lg in each_logger(mp.logger):
         if isinstance(lg, TensorBoardLogger):
             lg.writer.close()
             folder = Path(lg.writer.log_dir)

@@ -29,7 +29,9 @@ from data.loader import Encoder, ValidationLoader, data_config
 from data.mixture import parse_mixture, parse_validation_sets
 from data.shards import list_shards
 from mhar_titan.components.atomic import write_text
+from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.loss import cross_entropy_sum
+from mhar_titan.components.tensorboard_scalars import PRIMARY_TAGS, set_tags
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -117,6 +119,27 @@ class FixedSetValidator:
         return out
 
 
+def run_validation(
+    validator: FixedSetValidator, model_parts: list[nn.Module], step: int, ema: WeightEMA | None, record: str | None
+) -> dict[str, float]:
+    """Every set's CE with the raw weights and, with an EMA, with the EMA weights swapped in, by TensorBoard tag
+    (the first set also as val/ce and val/ce_ema). With `record` (rank 0's validation folder), every batch's CE
+    goes to its step-N.json for the paired comparison."""
+    values = {"raw": validator.validate(model_parts, step)}
+    batches = {"raw": dict(validator.per_batch)}
+    if ema is not None:
+        with ema.swapped_in():
+            values["ema"] = validator.validate(model_parts, step)
+        batches["ema"] = dict(validator.per_batch)
+    first = validator.names[0]
+    metrics = {PRIMARY_TAGS[kind]: v[first] for kind, v in values.items()}
+    for name in validator.names:
+        metrics.update({set_tags(name)[kind]: v[name] for kind, v in values.items()})
+    if record is not None:
+        write_validation_batches(record, step, batches, first)
+    return metrics
+
+
 def write_validation_batches(
     folder: str, step: int, batches: dict[str, dict[str, list[list[float]]]], first: str
 ) -> None:
@@ -161,7 +184,6 @@ def build_fixed_set_validator(
     loaders = []
     for vset in parse_validation_sets(cfg):
         held = [p for name, paths in shards.items() if vset.heldout in ("*", name) for p in paths]
-        loaders.append(
-            ValidationLoader(cfg, held, encode, v.seq_len, v.local_batch_size, dp_rank, dp_world_size, vset=vset)
-        )
+        sizes = {"seq_len": v.seq_len, "batch": v.local_batch_size, "dp_rank": dp_rank, "dp_world": dp_world_size}
+        loaders.append(ValidationLoader(cfg, held, encode, **sizes, vset=vset))
     return FixedSetValidator(job_config, loaders, parallel_dims, validation_context, maybe_enable_amp)

@@ -17,12 +17,7 @@ from mhar_titan.hf.run import export_run
 from mhar_titan.model.args import MHAR
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m mhar_titan.hf",
-        description="HF checkpoints for mhar-titan: inspect one, export a run's checkpoint as one, write a random one.",
-    )
-    sub = parser.add_subparsers(dest="cmd", required=True)
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p_inspect = sub.add_parser(
         "inspect",
         help="config summary, parameter count, load ledger",
@@ -35,6 +30,9 @@ def main(argv: list[str] | None = None) -> None:
         "--num-blocks", type=int, default=MHAR.num_blocks, help="with --mhar: [mhar] num_blocks (divides the layers)"
     )
     p_inspect.add_argument("--num-heads", type=int, default=MHAR.num_heads, help="with --mhar: [mhar] num_heads")
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
     p_export = sub.add_parser(
         "export",
         help="a run's checkpoint as an HF directory (streamed, one shard at a time)",
@@ -49,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     p_export.add_argument("--device", default="cpu", help="where tensors are cast and permuted (cpu, cuda)")
     p_export.add_argument("--no-verify", action="store_true", help="skip checking the files against their checksums")
     p_export.add_argument("--no-routing", action="store_true", help="plain Llama (only while every gate is 0)")
+
+
+def _add_init(sub: argparse._SubParsersAction) -> None:
     p_init = sub.add_parser(
         "init",
         help="a randomly initialised base checkpoint of a flavor",
@@ -65,45 +66,77 @@ def main(argv: list[str] | None = None) -> None:
     p_init.add_argument("--seed", type=int, default=0, help="the initialisation's random seed (default 0)")
     p_init.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="the saved weights' dtype")
     p_init.add_argument("--device", default="cpu", help="where to initialise (cuda: an 8B model in seconds)")
-    args = parser.parse_args(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mhar_titan.hf",
+        description="HF checkpoints for mhar-titan: inspect one, export a run's checkpoint as one, write a random one.",
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _add_inspect(sub)
+    _add_export(sub)
+    _add_init(sub)
+    return parser
+
+
+def _init(args: argparse.Namespace) -> None:
+    try:
+        init_hf(
+            args.out_dir,
+            args.flavor,
+            args.tokenizer,
+            args.seed,
+            DTYPES[args.dtype],
+            args.device,
+            layers=args.layers,
+        )
+    except (FileNotFoundError, FileExistsError, ValueError) as e:  # bad input: one line, no traceback
+        sys.exit(f"python -m mhar_titan.hf init: {e}")
+    depth = f", {args.layers} layers" if args.layers else ""
+    print(f"wrote a random {args.flavor}{depth} base checkpoint (seed {args.seed}, {args.dtype}) to {args.out_dir}")
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    mhar = MHAR(enable=True, num_blocks=args.num_blocks, num_heads=args.num_heads) if args.mhar else None
+    try:
+        print(inspect(args.path, mhar))
+    except (FileNotFoundError, ValueError) as e:  # bad input: one line, no traceback
+        hint = " (set --num-blocks)" if "num_blocks" in str(e) else ""
+        sys.exit(f"python -m mhar_titan.hf inspect: {e}{hint}")
+
+
+def _log_line(line: str) -> None:
+    """Export progress on stdout, its warnings on stderr, each as it happens."""
+    print(line, file=sys.stderr if line.startswith("warning") else sys.stdout, flush=True)
+
+
+def _export(args: argparse.Namespace) -> None:
+    try:
+        step_dir = export_run(
+            args.run_dir,
+            args.out_dir,
+            step=args.step,
+            ema=args.ema,
+            dtype=DTYPES[args.dtype],
+            device=args.device,
+            include_routing=not args.no_routing,
+            verify=not args.no_verify,
+            log=_log_line,
+        )
+    except (FileNotFoundError, FileExistsError, ValueError) as e:  # bad input: one line, no traceback
+        sys.exit(f"python -m mhar_titan.hf export: {e}")
+    print(f"exported {step_dir} ({'EMA' if args.ema else 'raw'} weights) to {args.out_dir} ({args.dtype})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     if args.cmd == "init":
-        try:
-            init_hf(
-                args.out_dir,
-                args.flavor,
-                args.tokenizer,
-                args.seed,
-                DTYPES[args.dtype],
-                args.device,
-                layers=args.layers,
-            )
-        except (FileNotFoundError, FileExistsError, ValueError) as e:  # bad input: one line, no traceback
-            sys.exit(f"python -m mhar_titan.hf init: {e}")
-        depth = f", {args.layers} layers" if args.layers else ""
-        print(f"wrote a random {args.flavor}{depth} base checkpoint (seed {args.seed}, {args.dtype}) to {args.out_dir}")
+        _init(args)
     elif args.cmd == "inspect":
-        mhar = MHAR(enable=True, num_blocks=args.num_blocks, num_heads=args.num_heads) if args.mhar else None
-        try:
-            print(inspect(args.path, mhar))
-        except (FileNotFoundError, ValueError) as e:  # bad input: one line, no traceback
-            hint = " (set --num-blocks)" if "num_blocks" in str(e) else ""
-            sys.exit(f"python -m mhar_titan.hf inspect: {e}{hint}")
+        _inspect(args)
     elif args.cmd == "export":
-        try:
-            step_dir = export_run(
-                args.run_dir,
-                args.out_dir,
-                step=args.step,
-                ema=args.ema,
-                dtype=DTYPES[args.dtype],
-                device=args.device,
-                include_routing=not args.no_routing,
-                verify=not args.no_verify,
-                log=lambda line: print(line, file=sys.stderr if line.startswith("warning") else sys.stdout, flush=True),
-            )
-        except (FileNotFoundError, FileExistsError, ValueError) as e:  # bad input: one line, no traceback
-            sys.exit(f"python -m mhar_titan.hf export: {e}")
-        print(f"exported {step_dir} ({'EMA' if args.ema else 'raw'} weights) to {args.out_dir} ({args.dtype})")
+        _export(args)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import fsspec
 import torch
@@ -105,6 +106,63 @@ def base_sources(base: str | None, args: MHARModelArgs, log: Callable[[str], Non
     return config_path, base
 
 
+def _checked_sources(step_dir: str, args: MHARModelArgs, ema: bool) -> tuple[dict[str, torch.Size], dict[str, str]]:
+    """The run's model's shapes and, per tensor, the checkpoint key it is read from (its EMA with `ema`),
+    each checked against the checkpoint's metadata before any tensor is read."""
+    with torch.device("meta"):
+        model = MHARTransformer(args)
+    shapes = {plain_name(k): v.shape for k, v in model.state_dict().items()}
+    trainable = {plain_name(n) for n, p in model.named_parameters() if p.requires_grad}
+    stored = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    if ema and not any(k.startswith("ema.") for k in stored):
+        raise ValueError(f"{step_dir}: this checkpoint holds no weight EMA ([ema] enable was off, or model only)")
+    source = {k: f"ema.{k}" if ema and k in trainable else k for k in shapes}
+    for ours, key in source.items():
+        if key not in stored or tuple(getattr(stored[key], "size", ())) != tuple(shapes[ours]):
+            have = tuple(stored[key].size) if key in stored and hasattr(stored[key], "size") else "absent"
+            raise ValueError(f"{step_dir}: {key}: {have} in the checkpoint, {tuple(shapes[ours])} in the run's model")
+    return shapes, source
+
+
+def _without_routing(step_dir: str, source: dict[str, str], shapes: dict[str, torch.Size]) -> dict[str, str]:
+    """The sources less the routing tensors, refused while any gate is open (plain Llama would differ)."""
+    gates = [k for k in source if OUR_ROUTING.match(k) and k.endswith(".gate")]
+    refuse_open_gates(_read(step_dir, {source[k]: shapes[k] for k in gates}, torch.float32, "cpu"))
+    return {k: v for k, v in source.items() if not OUR_ROUTING.match(k)}
+
+
+@dataclass
+class _ShardWriter:
+    """Writes the planned shards into a folder, one at a time: each shard's tensors are read in `dtype` on
+    `device`, converted to HF names and layout, written and dropped, so memory holds about one shard."""
+
+    step_dir: str
+    shards: list[list[str]]
+    source: dict[str, str]
+    ours_of: dict[str, str]
+    shapes: dict[str, torch.Size]
+    sizes: dict[str, int]
+    total: int
+    adapter: MHARStateDictAdapter
+    dtype: torch.dtype
+    device: str | torch.device
+    log: Callable[[str], None]
+
+    def __call__(self, tmp: str) -> None:
+        shards, source, ours_of, shapes = self.shards, self.source, self.ours_of, self.shapes
+        for i, keys in enumerate(shards):
+            began = time.perf_counter()
+            read = _read(self.step_dir, {source[ours_of[h]]: shapes[ours_of[h]] for h in keys}, self.dtype, self.device)
+            tensors = {
+                h: self.adapter.to_hf({ours_of[h]: read.pop(source[ours_of[h]])})[h].contiguous().cpu() for h in keys
+            }
+            write_safetensors(tensors, os.path.join(tmp, shard_name(i, len(shards))))
+            gb, seconds = sum(self.sizes[h] for h in keys) / 1e9, time.perf_counter() - began
+            self.log(f"shard {i + 1}/{len(shards)}: {len(keys)} tensors, {gb:.2f} GB in {seconds:.1f} s")
+            del read, tensors
+        write_index(tmp, shards, self.total)
+
+
 def export_run(
     run_dir: str,
     out_dir: str,
@@ -128,24 +186,11 @@ def export_run(
     step_dir = checkpoint_step_dir(run_dir, step)
     args, recorded_base = run_model_args(run_dir)
     base, tokenizer_dir = base_sources(recorded_base, args, log)
-    with torch.device("meta"):
-        model = MHARTransformer(args)
-    shapes = {plain_name(k): v.shape for k, v in model.state_dict().items()}
-    trainable = {plain_name(n) for n, p in model.named_parameters() if p.requires_grad}
-    stored = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
-    if ema and not any(k.startswith("ema.") for k in stored):
-        raise ValueError(f"{step_dir}: this checkpoint holds no weight EMA ([ema] enable was off, or model only)")
-    source = {k: f"ema.{k}" if ema and k in trainable else k for k in shapes}
-    for ours, key in source.items():
-        if key not in stored or tuple(getattr(stored[key], "size", ())) != tuple(shapes[ours]):
-            have = tuple(stored[key].size) if key in stored and hasattr(stored[key], "size") else "absent"
-            raise ValueError(f"{step_dir}: {key}: {have} in the checkpoint, {tuple(shapes[ours])} in the run's model")
+    shapes, source = _checked_sources(step_dir, args, ema)
     if verify:
         verify_checkpoint(step_dir, log)
     if not include_routing:
-        gates = [k for k in source if OUR_ROUTING.match(k) and k.endswith(".gate")]
-        refuse_open_gates(_read(step_dir, {source[k]: shapes[k] for k in gates}, torch.float32, "cpu"))
-        source = {k: v for k, v in source.items() if not OUR_ROUTING.match(k)}
+        source = _without_routing(step_dir, source, shapes)
 
     adapter = MHARStateDictAdapter(args, base)
     ours_of = {next(iter(adapter.to_hf({k: torch.empty(shapes[k], device="meta")}))): k for k in source}
@@ -158,19 +203,8 @@ def export_run(
     log(
         f"reading {step_dir} ({weights} weights): {len(sizes)} tensors, {total / 1e9:.2f} GB as {config['torch_dtype']}"
     )
-
-    def write_weights(tmp: str) -> None:
-        for i, keys in enumerate(shards):
-            began = time.perf_counter()
-            read = _read(step_dir, {source[ours_of[h]]: shapes[ours_of[h]] for h in keys}, dtype, device)
-            tensors = {h: adapter.to_hf({ours_of[h]: read.pop(source[ours_of[h]])})[h].contiguous().cpu() for h in keys}
-            write_safetensors(tensors, os.path.join(tmp, shard_name(i, len(shards))))
-            gb, seconds = sum(sizes[h] for h in keys) / 1e9, time.perf_counter() - began
-            log(f"shard {i + 1}/{len(shards)}: {len(keys)} tensors, {gb:.2f} GB in {seconds:.1f} s")
-            del read, tensors
-        write_index(tmp, shards, total)
-
-    write_folder(out_dir, write_weights, config, tokenizer_dir, log)
+    writer = _ShardWriter(step_dir, shards, source, ours_of, shapes, sizes, total, adapter, dtype, device, log)
+    write_folder(out_dir, writer, config, tokenizer_dir, log)
     return step_dir
 
 

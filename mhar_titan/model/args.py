@@ -31,7 +31,8 @@ class MHAR:
     num_blocks: int = 8
     """Blocks whose aggregated deltas become sources; must divide the layer count."""
     backend: str = "auto"
-    """auto (triton on CUDA, torch elsewhere), torch or triton."""
+    """auto (triton on CUDA, torch elsewhere), torch (the reference), triton (the fused kernels'
+    eager path) or triton_op (the same kernels through their custom op): kernels.routing.BACKENDS."""
     lr_multiplier: float = 1.0
     """Routing parameters train at lr * lr_multiplier, without weight decay."""
     stats_freq: int = 10

@@ -33,37 +33,37 @@ def llama3_rope_scaling(rope: dict[str, Any], source: str, field_name: str = "ro
         raise ValueError(f"{source}: {field_name}: {values} are not all numbers") from None
 
 
-def llama_args_from_hf_config(
-    config: dict[str, Any], source: str = "config.json", *, allow_mhar: bool = False
-) -> TransformerModelArgs:
-    """Model arguments for a Llama-3.x config.json, or a ValueError naming the field we cannot represent.
+def _refusal(config: dict[str, Any], source: str, field_name: str, why: str) -> ValueError:
+    return ValueError(f"{source}: {field_name} = {config.get(field_name)!r}: {why}")
 
-    An MHAR export (`mhar_llama`) only with `allow_mhar` (load_hf_model, inspect: they use its own
-    settings); as a training base its routing would load under the run's unchecked `[mhar]` settings.
-    """
 
-    def refuse(field_name: str, why: str) -> ValueError:
-        return ValueError(f"{source}: {field_name} = {config.get(field_name)!r}: {why}")
-
+def _check_representable(config: dict[str, Any], source: str, allow_mhar: bool) -> None:
+    """Refuses, naming the field, a config whose model type, architecture, biases, tying, activation or
+    head size the model cannot represent."""
     mhar_export = config.get("model_type") == MHAR_MODEL_TYPE
     if mhar_export and not allow_mhar:
-        raise refuse("model_type", "an MHAR export is not a training base; start from a plain Llama checkpoint")
+        raise _refusal(
+            config, source, "model_type", "an MHAR export is not a training base; start from a plain Llama checkpoint"
+        )
     if config.get("model_type") != "llama" and not mhar_export:
-        raise refuse("model_type", "only Llama checkpoints are supported")
+        raise _refusal(config, source, "model_type", "only Llama checkpoints are supported")
     arch = MHAR_ARCHITECTURE if mhar_export else "LlamaForCausalLM"
     if (config.get("architectures") or [arch]) != [arch]:
-        raise refuse("architectures", f"expected [{arch!r}]")
+        raise _refusal(config, source, "architectures", f"expected [{arch!r}]")
     for name in ("attention_bias", "mlp_bias"):
         if config.get(name):
-            raise refuse(name, "biases are not supported by the model")
+            raise _refusal(config, source, name, "biases are not supported by the model")
     if config.get("tie_word_embeddings"):
-        raise refuse("tie_word_embeddings", "the model has an untied output projection")
+        raise _refusal(config, source, "tie_word_embeddings", "the model has an untied output projection")
     if config.get("hidden_act", "silu") != "silu":
-        raise refuse("hidden_act", "the model's MLP is SwiGLU (silu)")
+        raise _refusal(config, source, "hidden_act", "the model's MLP is SwiGLU (silu)")
     dim, n_heads = config["hidden_size"], config["num_attention_heads"]
     if config.get("head_dim", dim // n_heads) != dim // n_heads or dim % n_heads:
-        raise refuse("head_dim", f"must be hidden_size / num_attention_heads = {dim / n_heads}")
+        raise _refusal(config, source, "head_dim", f"must be hidden_size / num_attention_heads = {dim / n_heads}")
 
+
+def _rope(config: dict[str, Any], source: str) -> tuple[float, RoPEScalingArgs]:
+    """RoPE theta and scaling from `rope_scaling` (or the newer `rope_parameters`): llama3 or none."""
     rope_field = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
     rope = config.get(rope_field) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -73,7 +73,21 @@ def llama_args_from_hf_config(
     elif rope_type == "default":
         scaling = RoPEScalingArgs(scaling_factor=1.0)  # llama3 scaling with factor 1 is the identity
     else:
-        raise refuse("rope_scaling", f"rope type {rope_type!r} is not supported (llama3 or default)")
+        raise _refusal(config, source, "rope_scaling", f"rope type {rope_type!r} is not supported (llama3 or default)")
+    return theta, scaling
+
+
+def llama_args_from_hf_config(
+    config: dict[str, Any], source: str = "config.json", *, allow_mhar: bool = False
+) -> TransformerModelArgs:
+    """Model arguments for a Llama-3.x config.json, or a ValueError naming the field we cannot represent.
+
+    An MHAR export (`mhar_llama`) only with `allow_mhar` (load_hf_model, inspect: they use its own
+    settings); as a training base its routing would load under the run's unchecked `[mhar]` settings.
+    """
+    _check_representable(config, source, allow_mhar)
+    dim, n_heads = config["hidden_size"], config["num_attention_heads"]
+    theta, scaling = _rope(config, source)
 
     # torchtitan sizes the MLP as multiple_of * ceil(int(multiplier * int(8 * dim / 3)) / multiple_of):
     # multiple_of = intermediate_size and a multiplier just reaching it give exactly intermediate_size.
@@ -94,7 +108,7 @@ def llama_args_from_hf_config(
         eos_id=(eos[0] if isinstance(eos, list) else eos) or 0,
     )
     if ffn_hidden(args) != hidden:
-        raise refuse("intermediate_size", "cannot be represented by the model's MLP sizing")
+        raise _refusal(config, source, "intermediate_size", "cannot be represented by the model's MLP sizing")
     return args
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -188,84 +189,116 @@ def _tested_text() -> str:
     )
 
 
+@dataclass
+class _KernelTally:
+    """Stage b's findings over every rank's source counts: the problems, each count's worst error per
+    tensor over ranks (error, bound, error / bound, dtype, rank), the ranks where it was bitwise
+    repeatable, its slowest time, and the worst error / bound of all."""
+
+    problems: list[str]
+    worst: tuple[float, str] = (-1.0, "")
+    tables: dict[int, dict[str, tuple[float, float, float, str, int]]] = field(default_factory=dict)
+    repeatable: dict[int, list[int]] = field(default_factory=dict)
+    count_seconds: dict[int, float] = field(default_factory=dict)
+
+    def add(self, rank: int, count: dict[str, Any]) -> None:
+        n = count["sources"]
+        if "error" in count:
+            self.problems.append(f"rank {rank}, {n} sources: {count['error']}")
+            return
+        self.count_seconds[n] = max(self.count_seconds.get(n, 0.0), count["seconds"])
+        if not count["bitwise"]:
+            self.problems.append(f"rank {rank}, {n} sources: two runs differ in {', '.join(count['differ'])}")
+        else:
+            self.repeatable.setdefault(n, []).append(rank)
+        for name, c in count["checks"].items():
+            self._add_check(rank, n, name, c)
+
+    def _add_check(self, rank: int, n: int, name: str, c: dict[str, Any]) -> None:
+        ratio = c["ratio"] if c["ratio"] == c["ratio"] else float("inf")  # NaN: as bad as it gets
+        if ratio > 1.0:
+            what = f"{name} error {c['error']:.3g} is {ratio:.2f}x its bound {c['bound']:.3g}"
+            self.problems.append(f"rank {rank}, {n} sources: {what}")
+        row = self.tables.setdefault(n, {}).get(name)
+        if row is None or ratio > row[2]:
+            self.tables[n][name] = (c["error"], c["bound"], ratio, c["dtype"], rank)
+        if ratio > self.worst[0]:
+            self.worst = (ratio, f"{name}, {n} sources")
+
+    def table_lines(self) -> list[str]:
+        """One table per source count: each tensor's worst error against its bound."""
+        details: list[str] = []
+        for n in sorted(self.tables):
+            ranks = self.repeatable.get(n)
+            details += [
+                "",
+                f"{n} sources (null included), worst over ranks; bitwise repeatable on "
+                f"{_ranks(ranks) if ranks else 'no rank'}; {self.count_seconds.get(n, 0):.1f} s",
+                "",
+                *_header("tensor", "dtype", "max abs error", "bound", "error / bound", "rank"),
+            ]
+            for name, (err, limit, ratio, dtype, rank) in self.tables[n].items():
+                details.append(
+                    _row(name, dtype.removeprefix("torch."), f"{err:.3g}", f"{limit:.3g}", f"{ratio:.3f}", rank)
+                )
+        return details
+
+
+def _kernel_setup_lines(first: dict[str, Any]) -> list[str]:
+    """What the kernel check ran (from the lowest rank's record) and how to read its tables."""
+    details = [
+        f"{first['op']} against the {first['reference']}; width {first['dim']}, {first['num_heads']} heads, "
+        f"batch {first['batch']} x {first['tokens']} tokens, seed {first['seed']}. Bounds: bf16 rounding of the "
+        "result plus the fp32 error on the problem's conditioning scale (mhar_titan/preflight/kernel_check.py); "
+        "rounding alone can take a bf16 result to nearly 1.0 of its bound, more than 1.0 is an error.",
+        "Tensors: out_a/b and logits_a/b, the two sites' forward; sourceI, the gradient of the I-th source after "
+        "the null (source0: the embedding's place); null, query, norm_weight and gate _a/b, each site's parameter "
+        "gradients.",
+    ]
+    if first.get("perturb") is not None:
+        details.append(f"Test seam on: outputs perturbed by {first['perturb']} x max|output|.")
+    return details
+
+
+def _attention_lines(records: dict[int, dict[str, Any]]) -> list[str]:
+    """The attention backward's repeatability, reported for stage d (not judged by stage b)."""
+    attention = {r: rec["attention"] for r, rec in records.items() if "bitwise" in (rec.get("attention") or {})}
+    if not attention:
+        return []
+    a = attention[min(attention)]
+    same = [r for r, x in attention.items() if x["bitwise"]]
+    worst_dq = max(x["max_dq_diff"] for x in attention.values())
+    return [
+        "",
+        f"Not judged here, read by stage d: the model's attention (torch's scaled_dot_product_attention, causal, "
+        f"{'x'.join(map(str, a['shape']))} {a['dtype']}), forward and backward three times on the same inputs: "
+        + (
+            "repeatable bit for bit on every rank."
+            if len(same) == len(attention)
+            else f"the backward differs between runs (largest |dq| difference {worst_dq:.3g}, max |dq| "
+            f"{a['dq_scale']:.3g}) on ranks {_ranks(r for r in attention if r not in same)}: its kernels "
+            "accumulate in a varying order, so no two runs of the training step are bitwise equal here "
+            "(`--debug.deterministic` asks torch for deterministic algorithms)."
+        ),
+    ]
+
+
 def kernel_stage(records: dict[int, dict[str, Any]], problems: list[str], seconds: float) -> Stage:
     """Stage b: every source count on every rank within its bounds and bitwise repeatable."""
     kernels, more = _sections(records, "kernels")
-    problems = problems + more
-    worst: tuple[float, str] = (-1.0, "")
-    tables: dict[int, dict[str, tuple[float, float, float, str, int]]] = {}
-    repeatable: dict[int, list[int]] = {}
-    count_seconds: dict[int, float] = {}
+    tally = _KernelTally(problems + more)
     for rank, result in kernels.items():
         for count in result["counts"]:
-            n = count["sources"]
-            if "error" in count:
-                problems.append(f"rank {rank}, {n} sources: {count['error']}")
-                continue
-            count_seconds[n] = max(count_seconds.get(n, 0.0), count["seconds"])
-            if not count["bitwise"]:
-                problems.append(f"rank {rank}, {n} sources: two runs differ in {', '.join(count['differ'])}")
-            else:
-                repeatable.setdefault(n, []).append(rank)
-            for name, c in count["checks"].items():
-                ratio = c["ratio"] if c["ratio"] == c["ratio"] else float("inf")  # NaN: as bad as it gets
-                if ratio > 1.0:
-                    what = f"{name} error {c['error']:.3g} is {ratio:.2f}x its bound {c['bound']:.3g}"
-                    problems.append(f"rank {rank}, {n} sources: {what}")
-                row = tables.setdefault(n, {}).get(name)
-                if row is None or ratio > row[2]:
-                    tables[n][name] = (c["error"], c["bound"], ratio, c["dtype"], rank)
-                if ratio > worst[0]:
-                    worst = (ratio, f"{name}, {n} sources")
-    details = []
-    if kernels:
-        first = kernels[min(kernels)]
-        details.append(
-            f"{first['op']} against the {first['reference']}; width {first['dim']}, {first['num_heads']} heads, "
-            f"batch {first['batch']} x {first['tokens']} tokens, seed {first['seed']}. Bounds: bf16 rounding of the "
-            "result plus the fp32 error on the problem's conditioning scale (mhar_titan/preflight/kernel_check.py); "
-            "rounding alone can take a bf16 result to nearly 1.0 of its bound, more than 1.0 is an error."
-        )
-        details.append(
-            "Tensors: out_a/b and logits_a/b, the two sites' forward; sourceI, the gradient of the I-th source after "
-            "the null (source0: the embedding's place); null, query, norm_weight and gate _a/b, each site's parameter "
-            "gradients."
-        )
-        if first.get("perturb") is not None:
-            details.append(f"Test seam on: outputs perturbed by {first['perturb']} x max|output|.")
-    for n in sorted(tables):
-        details += [
-            "",
-            f"{n} sources (null included), worst over ranks; bitwise repeatable on "
-            f"{_ranks(repeatable.get(n, [])) if repeatable.get(n) else 'no rank'}; {count_seconds.get(n, 0):.1f} s",
-            "",
-            *_header("tensor", "dtype", "max abs error", "bound", "error / bound", "rank"),
-        ]
-        for name, (err, limit, ratio, dtype, rank) in tables[n].items():
-            details.append(_row(name, dtype.removeprefix("torch."), f"{err:.3g}", f"{limit:.3g}", f"{ratio:.3f}", rank))
-    attention = {r: rec["attention"] for r, rec in records.items() if "bitwise" in (rec.get("attention") or {})}
-    if attention:
-        a = attention[min(attention)]
-        same = [r for r, x in attention.items() if x["bitwise"]]
-        worst_dq = max(x["max_dq_diff"] for x in attention.values())
-        details += [
-            "",
-            f"Not judged here, read by stage d: the model's attention (torch's scaled_dot_product_attention, causal, "
-            f"{'x'.join(map(str, a['shape']))} {a['dtype']}), forward and backward three times on the same inputs: "
-            + (
-                "repeatable bit for bit on every rank."
-                if len(same) == len(attention)
-                else f"the backward differs between runs (largest |dq| difference {worst_dq:.3g}, max |dq| "
-                f"{a['dq_scale']:.3g}) on ranks {_ranks(r for r in attention if r not in same)}: its kernels "
-                "accumulate in a varying order, so no two runs of the training step are bitwise equal here "
-                "(`--debug.deterministic` asks torch for deterministic algorithms)."
-            ),
-        ]
-    if problems or not kernels:
-        return _fail("b", problems, "no rank checked the kernels", seconds, details)
+            tally.add(rank, count)
+    details = _kernel_setup_lines(kernels[min(kernels)]) if kernels else []
+    details += tally.table_lines()
+    details += _attention_lines(records)
+    if tally.problems or not kernels:
+        return _fail("b", tally.problems, "no rank checked the kernels", seconds, details)
     first = kernels[min(kernels)]
-    counts = sorted(tables)
+    counts = sorted(tally.tables)
     span = f"{counts[0]}-{counts[-1]}" if len(counts) > 1 else str(counts[0])
+    worst = tally.worst
     figure = (
         f"{span} sources (null included) at width {first['dim']}, {first['num_heads']} heads, {first['tokens']} "
         f"tokens: worst error {worst[0]:.2f} of its bound ({worst[1]}), bitwise repeatable"

@@ -1,0 +1,65 @@
+"""What a training step logs: TensorBoard scalars (loss and its parts, gradient norm, every LR, data counters and
+shares, throughput, memory, routing statistics) and one readable line, from the values the step read back."""
+
+from __future__ import annotations
+
+import torch
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.config import JobConfig
+from torchtitan.tools.logging import logger
+
+from data.loader import ParquetDataLoader, gather_counters, mixture_shares, token_shares
+from mhar_titan.components.routing_stats import name_routing_stats
+from mhar_titan.components.step_metrics import (
+    MemoryPhases,
+    StepClock,
+    StepValues,
+    flush,
+    log_scalars,
+    rank_peaks,
+    throughput,
+)
+
+
+class StepLog:
+    def __init__(self, mp: MetricsProcessor, job_config: JobConfig, device: torch.device, n_layers: int,
+                 dataloader: ParquetDataLoader, clock: StepClock, memory_phases: MemoryPhases):  # fmt: skip
+        self.mp, self.cfg, self.device, self.n_layers = mp, job_config, device, n_layers
+        self.dataloader, self.clock, self.memory_phases = dataloader, clock, memory_phases
+
+    def write(self, step: int, v: StepValues, lrs: dict[str, float], tokens_seen: int, skipped: int) -> None:
+        """`lrs`: each group's LR as the step applied it (the scheduler has moved on since). Loss values come on
+        log steps, routing statistics on their own steps; every rank calls (the counters are gathered)."""
+        self.clock.tick(step)
+        if v.loss is not None:
+            metrics = self._metrics(v, lrs, tokens_seen, skipped)
+            log_scalars(self.mp.logger, metrics, step)
+            flush(self.mp)
+            logger.info(self._line(step, v, metrics, lrs, tokens_seen))
+        if v.stats:
+            named = name_routing_stats(torch.tensor(v.stats).reshape(self.n_layers, 2, -1))
+            log_scalars(self.mp.logger, named, step)
+
+    def _metrics(self, v: StepValues, lrs: dict[str, float], tokens_seen: int, skipped: int) -> dict[str, float]:
+        counters = gather_counters(self.dataloader)
+        metrics = {f"data/{k}": value for k, value in counters.items()}
+        metrics.update({**mixture_shares(counters), **token_shares(counters, top=self.cfg.data.token_share_sources)})
+        metrics.update({"train/loss": v.loss, "train/loss_max": v.loss_max, "grad_norm": v.grad_norm,
+                        "tokens_seen": tokens_seen, "train/skipped_steps": skipped})  # fmt: skip
+        if v.parts:  # CE and z-loss of this step, per valid token over all ranks
+            ce, z, tokens = v.parts
+            metrics.update({"train/ce": ce / tokens, "train/z_loss": z / tokens})
+        metrics.update({f"lr/{name}": lr for name, lr in lrs.items()})
+        metrics.update(throughput(self.mp))
+        metrics.update(rank_peaks(metrics["memory/peak_active_gib"], self.device))
+        metrics.update(self.memory_phases.take())
+        return metrics
+
+    def _line(self, step: int, v: StepValues, m: dict[str, float], lrs: dict[str, float], tokens_seen: int) -> str:
+        return (
+            f"step {step}/{self.cfg.training.steps}  loss {v.loss:.4f}"
+            + (f" (ce {m['train/ce']:.4f})" if v.parts else "")
+            + f"  lr {next(iter(lrs.values())):.2e}  grad_norm {v.grad_norm:.3f}"
+            f"  {m['tokens_per_s']:,.0f} tok/s/dev  {self.clock.pace(tokens_seen)}"
+            f"  mfu {m['mfu']:.1f}%  mem {m['memory/peak_reserved_gib']:.1f} GiB  eta {self.clock.eta()}"
+        )

@@ -1,0 +1,71 @@
+"""The job's entry, as torchtitan.train.main: parse the config, build the trainer, train (or write a seed
+checkpoint), tear down; bad input found before any work is one error line and exit 2."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+from torchtitan.tools.logging import init_logger, logger
+
+from mhar_titan import cpu
+from mhar_titan.components import run_record
+from mhar_titan.components.run_lock import LockHeld
+from mhar_titan.config import parse_config
+from mhar_titan.train_spec import train_spec
+from mhar_titan.trainer import CPTTrainer
+
+REFUSED_EXIT_CODE = 2  # bad input, found before any work
+
+
+@contextlib.contextmanager
+def refusals() -> Iterator[None]:
+    """Bad input found before any work (a config value, a run that is not this job's, a locked folder, a
+    checkpoint folder without room): one error line, exit 2, no traceback (MHAR_TRACEBACK=1 shows it)."""
+    try:
+        yield
+    except (ValueError, OSError, LockHeld) as e:
+        if os.environ.get("MHAR_TRACEBACK"):
+            raise
+        logger.error(f"{type(e).__name__}: {e}")
+        # torchtitan's Trainer.__init__ is wrapped by torchelastic's @record, which already wrote the
+        # traceback for torchrun's failure summary: the line above says it all.
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+        if os.path.isfile(error_file):
+            os.remove(error_file)
+        raise SystemExit(REFUSED_EXIT_CODE) from None
+
+
+def run(argv: list[str], trainer_cls: type[CPTTrainer] = CPTTrainer) -> None:
+    """Parse, train, and tear down, as torchtitan.train.main does for its Trainer."""
+    init_logger()
+    with refusals():
+        config = parse_config(argv)
+    spec = train_spec()  # registered here, where torchtitan's Trainer will look it up
+    if cpu.should_activate():
+        cpu.activate([spec])
+    trainer: CPTTrainer | None = None
+    try:
+        with refusals():
+            trainer = trainer_cls(config)
+        if config.checkpoint.create_seed_checkpoint:
+            if torch.distributed.get_world_size() != 1:
+                raise ValueError("checkpoint.create_seed_checkpoint needs a single process")
+            if not config.checkpoint.enable:
+                raise ValueError("checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
+            if trainer.ema is not None:
+                trainer.ema.start()
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            # A seed is weights to start from, not a run: no fingerprint; the job that trains it records one
+            # (and compares its architecture with this).
+            run_record.write_model_args(config, trainer.model_args)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
