@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torchtitan.protocols.train_spec import TrainSpec
 from torchtitan.tools.logging import logger
 
-from mhar_titan.titan_compat import DEVICE_GLOBALS
+from mhar_titan.titan_compat import DEVICE_GLOBALS as _DEVICE_GLOBALS  # the table the CPU shims rebind
 
 
 def should_activate() -> bool:
@@ -119,7 +119,7 @@ def activate(train_specs: list[TrainSpec]) -> None:
 def install_device_module() -> None:
     """Replace torchtitan's CUDA device globals with the CPU ones."""
     values = {"device_type": "cpu", "device_module": CPUDeviceModule()}
-    for module_name, names in DEVICE_GLOBALS.items():
+    for module_name, names in _DEVICE_GLOBALS.items():
         module = importlib.import_module(module_name)
         for name in names:
             if not hasattr(module, name):

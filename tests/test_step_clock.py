@@ -1,7 +1,11 @@
-"""The log line's pace and ETA (mhar_titan/components/step_metrics.py, StepClock) on a fake clock."""
+"""The log line's pace and ETA (mhar_titan/components/step_metrics.py, StepClock) on a fake clock, and the step's
+scalars read back by name (StepScalars)."""
+
+import pytest
+import torch
 
 import mhar_titan.components.step_metrics as step_metrics
-from mhar_titan.components.step_metrics import StepClock
+from mhar_titan.components.step_metrics import StepClock, StepScalars
 
 
 def test_the_eta_counts_the_periodic_work_still_to_come(monkeypatch):
@@ -56,3 +60,24 @@ def test_log_scalars_writes_what_the_logger_writes_one_event_per_step(tmp_path):
         assert load_scalars(tmp_path / f"ours{tag}") == load_scalars(tmp_path / f"plain{tag}")
         assert len(load_scalars(tmp_path / f"ours{tag}")) == 41
         assert other.calls == [(metrics[0], 1), (metrics[1], 2)]
+
+
+def test_step_scalars_come_back_by_name_on_every_kind_of_step():
+    scalars = StepScalars()
+    like = torch.zeros(())
+    flags = StepScalars.flags(
+        like, bad=torch.tensor(False), stop=1.0, loss_max=torch.tensor(2.5), lock_lost=False, exhausted=True
+    )
+    # a log step with loss parts and routing statistics
+    packed = scalars.pack(flags, torch.tensor(0.75), torch.tensor([3.0, 2.0, 0.5, 8.0]), torch.arange(6.0))
+    v = scalars.unpack(packed.tolist())
+    assert (v.bad, v.stop, v.loss_max, v.lock_lost, v.exhausted) == (False, True, 2.5, False, True)
+    assert v.grad_norm == 0.75 and v.loss == 3.0 and v.parts == (2.0, 0.5, 8.0) and v.stats == list(range(6))
+    # a step that logs nothing, and a log step whose loss has no parts
+    assert scalars.unpack(scalars.pack(flags, torch.tensor(1.0), None, None).tolist()).loss is None
+    v = scalars.unpack(scalars.pack(flags, torch.tensor(1.0), torch.tensor([4.0]), None).tolist())
+    assert v.loss == 4.0 and v.parts is None and v.stats == []
+    with pytest.raises(ValueError, match="the layout has 7"):
+        scalars.unpack([0.0] * 8)
+    with pytest.raises(ValueError, match="step flags"):
+        StepScalars.flags(like, bad=0.0)
