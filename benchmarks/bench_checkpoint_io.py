@@ -40,6 +40,12 @@ def main(argv: list[str] | None = None) -> None:
         help="where the tensors live (default: cuda if any)",
     )
     args = parser.parse_args(argv)
+    try:
+        threads = [int(n) for n in args.threads.split(",")]
+    except ValueError:
+        parser.error(f"--threads {args.threads!r}: comma-separated positive integers, e.g. 1,4,8")
+    if not threads or min(threads) < 1 or args.gib <= 0:
+        parser.error(f"--threads {args.threads!r} and --gib {args.gib}: positive numbers")
 
     numel = int(args.gib * 2**30 / 4)
     per = 2**28
@@ -50,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     gb = sum(t.numel() * 4 for t in state.values()) / 1e9
     cases = [("CRC32 (torch's default)", 1, contextlib.nullcontext)]
-    cases += [("no CRC32 (ours)", int(n), without_torch_crc32) for n in args.threads.split(",")]
+    cases += [("no CRC32 (ours)", n, without_torch_crc32) for n in threads]
     print(f"one rank's share: {gb:.1f} GB of fp32 in {len(state)} tensors on {args.device}, to {args.dir}")
     print(f"{'save':28s} {'threads':>7s} {'save s':>7s} {'GB/s':>6s} {'x':>5s} {'load s':>7s} {'GB/s':>6s} {'x':>5s}")
     first = None

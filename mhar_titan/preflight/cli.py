@@ -98,7 +98,7 @@ def _in_process(fn: Callable[[], object], log: Path) -> tuple[int, float]:
     """(exit code, seconds) of `fn` run here, its output to `log` as a subprocess's would go: a step that needs no
     process of its own (the base, the exports) saves the ten-odd seconds a GPU process takes to import and start.
     An exception is its failure (1, the traceback in the log); an interrupt is not caught. The GPU memory it cached
-    is released afterwards (this process keeps only its CUDA context, about half a GiB, during the jobs)."""
+    is released afterwards (this process keeps only its CUDA context during the jobs)."""
     began = time.monotonic()
     with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
         try:
