@@ -33,6 +33,7 @@ from torchtitan.tools.logging import logger
 
 from mhar_titan.components.checksums import verify_share, without_torch_crc32, write_manifest
 from mhar_titan.components.collectives import gather_objects
+from mhar_titan.components.dcp_io import ParallelFileSystemReader
 from mhar_titan.components.run_checks import save_failure
 from mhar_titan.hf.ledger import build_ledger
 from mhar_titan.model.state_dict_adapter import OUR_ROUTING
@@ -274,9 +275,10 @@ class CPTCheckpointManager(CheckpointManager):
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         """Forked from torchtitan 0.2.2 torchtitan/components/checkpoint.py, CheckpointManager.dcp_load: the
-        DCP branch reads non-tensor entries as data only; the HF branch keeps the graft's load ledger."""
+        DCP branch reads non-tensor entries as data only and tensors on several threads; the HF branch keeps the
+        graft's load ledger."""
         if not from_hf:  # torchtitan's DCP load, with non-tensor entries read as data only
-            dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=DataOnlyLoadPlanner())
+            dcp.load(state_dict, storage_reader=ParallelFileSystemReader(checkpoint_id), planner=DataOnlyLoadPlanner())
             if MODEL in self.states:
                 self.states[MODEL].load_state_dict(state_dict)
             return

@@ -17,6 +17,7 @@ from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
 from mhar_titan.components.checkpoint import complete_steps
 from mhar_titan.components.checksums import verify_share
+from mhar_titan.components.dcp_io import ParallelFileSystemReader
 from mhar_titan.components.ema import plain_name
 from mhar_titan.hf.export import config_base, folder_config, refuse_open_gates, write_folder
 from mhar_titan.hf.files import check_new_output, plan_shards, shard_name, write_index, write_safetensors
@@ -68,10 +69,10 @@ def load_run_checkpoint(
         if not any(k.startswith("ema.") for k in keys):
             raise ValueError(f"{step_dir}: this checkpoint holds no weight EMA ([ema] enable was off, or model only)")
         trainable = {n: state[n] for n, p in model.named_parameters() if p.requires_grad}
-        dcp.load({"ema": trainable}, checkpoint_id=step_dir, no_dist=True)
+        dcp.load({"ema": trainable}, storage_reader=ParallelFileSystemReader(step_dir), no_dist=True)
         state.update(trainable)
     else:
-        dcp.load(state, checkpoint_id=step_dir, no_dist=True)
+        dcp.load(state, storage_reader=ParallelFileSystemReader(step_dir), no_dist=True)
     model.load_state_dict(state)
     return model
 
@@ -213,5 +214,5 @@ def _read(
 ) -> dict[str, torch.Tensor]:
     """Tensors of a DCP checkpoint by key, cast to `dtype` on `device` as DCP copies them in."""
     out = {key: torch.empty(shape, dtype=dtype, device=device) for key, shape in wanted.items()}
-    dcp.load(out, checkpoint_id=step_dir, no_dist=True)
+    dcp.load(out, storage_reader=ParallelFileSystemReader(step_dir), no_dist=True)
     return out

@@ -30,7 +30,8 @@ def explained(check: dict[str, Any], losses: dict[int, float], attention: dict[s
     if noise is None or check["max_abs_loss_diff"] > START_NOISE_FRACTION * noise:
         return None
     return (
-        f"not bit for bit, explained: the first resumed step is identical and every counter (LR, tokens, data) too; "
+        "not bit for bit, explained: the first resumed step's loss is identical and every counter (LR, tokens, data) "
+        "too; "
         f"later steps differ by at most {check['max_abs_loss_diff']:.2g} in loss ({check['max_rel_loss_diff']:.2g} "
         f"relative, {check['max_abs_loss_diff'] / noise:.2g} of the batch noise {noise:.3g}), because the attention "
         f"backward is not repeatable on these GPUs (stage b: two runs on the same input differ by up to "
