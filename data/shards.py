@@ -53,6 +53,8 @@ def list_shards(paths: list[str], manifest: str = "") -> list[str]:
     found: list[str] = []
     for pattern in paths:
         fs, _, matches = fsspec.get_fs_token_paths(pattern)
+        if len(matches) == 1 and not fs.exists(matches[0]):  # a plain path comes back as given, there or not
+            matches = []
         if len(matches) == 1 and fs.isdir(matches[0]):
             matches = sorted(p for p in fs.ls(matches[0], detail=False) if p.endswith(".parquet"))
         if not matches:

@@ -279,3 +279,11 @@ def test_preview_prints_windows_and_source_statistics():
     text = subprocess.run([*cmd[:4], "--n", "8"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "--- window 1" in text and "end of document" in text and "source docstrings:" in text
     assert "% of tokens (weight 70.0%)" in text
+
+
+def test_a_path_that_is_not_there_matches_no_shard(corpus, tmp_path):
+    folder, _ = corpus
+    for absent in (tmp_path / "absent", tmp_path / "absent.parquet"):
+        with pytest.raises(FileNotFoundError, match=f"'{absent}' matches no parquet file"):
+            list_shards([str(folder), str(absent)])
+    assert list_shards([str(folder)]) == list_shards([str(folder / "*.parquet")])

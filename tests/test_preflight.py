@@ -83,9 +83,10 @@ def test_a_perturbed_kernel_fails_its_stage_and_the_exit_code(tmp_path):
             "--model.hf_assets_path /nonexistent/marin-8b: no such folder",
         ),
         (["--data.mixture", "web=1.0:/nonexistent/web/*.parquet"], "matches no parquet file; set [data] mixture"),
+        (["--data.mixture", "web=1.0:/nonexistent/web"], "'/nonexistent/web' matches no parquet file; set [data]"),
         (["--gpu-memory", "1MiB"], "a GPU of 0.0 GiB is too small for the configs"),
     ],
-    ids=["wrong-base-path", "data-matches-nothing", "gpu-too-small"],
+    ids=["wrong-base-path", "data-matches-nothing", "data-folder-absent", "gpu-too-small"],
 )
 def test_bad_input_is_one_line_before_any_training(tmp_path, args, says):
     done = preflight(tmp_path, "--stages", "d", *args)
