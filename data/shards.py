@@ -45,6 +45,14 @@ def name_paths(paths: list[str], first: int = 4) -> str:
     return f"{len(paths)} shards ({', '.join(paths[:first])}, ...)"
 
 
+def path_kind(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
+    """'file', 'directory' or None (not there), from one metadata request."""
+    try:
+        return fs.info(path).get("type")
+    except FileNotFoundError:
+        return None
+
+
 def list_shards(paths: list[str], manifest: str = "") -> list[str]:
     """Shard URLs from globs/paths or a manifest file, sorted, each listed once."""
     if manifest:
@@ -53,10 +61,12 @@ def list_shards(paths: list[str], manifest: str = "") -> list[str]:
     found: list[str] = []
     for pattern in paths:
         fs, _, matches = fsspec.get_fs_token_paths(pattern)
-        if len(matches) == 1 and not fs.exists(matches[0]):  # a plain path comes back as given, there or not
-            matches = []
-        if len(matches) == 1 and fs.isdir(matches[0]):
-            matches = sorted(p for p in fs.ls(matches[0], detail=False) if p.endswith(".parquet"))
+        if len(matches) == 1:  # a plain path comes back as given, there or not: one look-up says which
+            kind = path_kind(fs, matches[0])
+            if kind == "directory":
+                matches = sorted(p for p in fs.ls(matches[0], detail=False) if p.endswith(".parquet"))
+            elif kind is None:
+                matches = []
         if not matches:
             raise FileNotFoundError(f"[data] paths: {pattern!r} matches no parquet file")
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
