@@ -18,11 +18,12 @@ selective AC, none) and prints MHAR/control and control/stock for each mode. 30 
 default, three of them EMA and routing-statistics steps (their real share): with ten, two runs of
 the same code differed by about the margin the ratios are held to (docs/performance.md).
 `--smoke` runs the tiny flavor on CPU for a few steps (plumbing only, no speed figure).
+`--float8` runs every arm with torchtitan's float8 converter (torchao's rowwise recipe, the output layer in bf16).
 `--profile` also traces each arm's last step with torchtitan's profiler (the two steps it
 takes are left out of the throughput) and prints GPU time by kernel kind, arm beside arm.
 
     python -m benchmarks.bench_step [--arms stock,control,...] [--ac full,selective,none] [--num-blocks 8]
-                                    [--steps 34] [--warmup 4] [--profile]
+                                    [--steps 34] [--warmup 4] [--float8] [--profile]
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ GPU = [
 SMOKE_TAGS = ("tokens_per_s", "mfu", "peak_active_gib")  # on a CPU there are no phase memory figures
 SMOKE = ["--model.flavor", "tiny", "--training.seq_len", "128", "--training.local_batch_size", "2"]
 NUM_BLOCKS = {False: 8, True: 2}  # keyed by smoke: the tiny flavor has 4 layers
+# torchtitan's float8 converter (torchao), every linear layer but the output: --float8 adds it to every arm
+FLOAT8 = [
+    "--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise",
+    "--quantize.linear.float8.filter_fqns", "output",
+]  # fmt: skip
 AC_MODES = {
     "full": ["--activation_checkpoint.mode", "full"],
     "selective": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
@@ -81,6 +87,7 @@ def arm_command(
     ac: str = "full",
     num_blocks: int | None = None,
     flavor: str = FLAVOR,
+    extra: tuple[str, ...] = (),
 ) -> list[str]:
     common = [
         "--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--job.dump_folder", str(run),
@@ -98,7 +105,7 @@ def arm_command(
             "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1",
         ]  # fmt: skip
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return [*launcher, *ARMS[arm], *common, *geometry]
+    return [*launcher, *ARMS[arm], *common, *geometry, *extra]
 
 
 def aggregate(series: dict[int, float], warmup: int, how: str, last: int | None = None) -> float:
@@ -121,10 +128,11 @@ def run_arm(
     ac: str = "full",
     num_blocks: int | None = None,
     flavor: str = FLAVOR,
+    extra: tuple[str, ...] = (),
 ) -> dict[str, float]:
     run = out / arm
     shutil.rmtree(run, ignore_errors=True)
-    cmd = arm_command(arm, run, nproc, steps, smoke, profile, ac, num_blocks, flavor)
+    cmd = arm_command(arm, run, nproc, steps, smoke, profile, ac, num_blocks, flavor, extra)
     print(f"[{ac}/{arm}] {' '.join(cmd)}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if smoke:  # the Triton kernels run in Triton's interpreter on a CPU
@@ -162,6 +170,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="runs/bench-step", help="folder for the arms' runs and logs")
     parser.add_argument("--smoke", action="store_true", help="tiny flavor on CPU: the plumbing, not a speed")
     parser.add_argument("--profile", action="store_true", help="trace each arm's last step; GPU time by kernel kind")
+    parser.add_argument("--float8", action="store_true", help="every arm with torchtitan's float8 converter (rowwise)")
     return parser
 
 
@@ -219,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
                 mode,
                 args.num_blocks,
                 args.flavor,
+                tuple(FLOAT8) if args.float8 else (),
             )  # fmt: skip
             for arm in arms
         }

@@ -4,6 +4,7 @@
 command line names another module, so every job has these sections.
 """
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from torchtitan.config import ConfigManager
@@ -17,6 +18,7 @@ from mhar_titan.model.args import MHAR
 MODEL_NAME = "llama3_mhar"
 CONFIG_MODULE = "mhar_titan.config"
 _CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-module")
+FLOAT8 = "quantize.linear.float8"  # the one model converter tested with both arms (README, "float8")
 
 
 @dataclass
@@ -116,6 +118,7 @@ def parse_config(argv: list[str]) -> TitanJobConfig:
         raise ValueError(f"[model] name = {config.model.name!r}: train_cpt.py trains {MODEL_NAME!r}")
     if not config.training.max_norm > 0:  # clipping to 0 zeroes every gradient: a run that does not train
         raise ValueError(f"[training] max_norm = {config.training.max_norm} must be > 0 (inf: no clipping)")
+    check_converters(config.model.converters)
     fingerprint.check_allow(config.checkpoint.allow_changes)  # at every start: a typo is seen at once
     if config.checkpoint.last_save_in_hf:
         # torchtitan's writer keys shards by the base's index (no routing tensors: the MHAR arm fails at its
@@ -126,3 +129,16 @@ def parse_config(argv: list[str]) -> TitanJobConfig:
             "python -m mhar_titan.hf export RUN_DIR OUT_DIR [--ema] [--dtype bf16]"
         )
     return config
+
+
+def check_converters(converters: list[str]) -> None:
+    """`[model] converters`: torchtitan's float8 linear layers only (with torchao installed), before any work."""
+    others = [c for c in converters if c != FLOAT8]
+    if others:
+        raise ValueError(
+            f"[model] converters = {converters}: {', '.join(others)} not supported (tested with both arms: {FLOAT8})"
+        )
+    if converters and importlib.util.find_spec("torchao") is None:
+        raise ValueError(
+            f"[model] converters = {converters} needs torchao, which is not installed: pip install -e '.[float8]'"
+        )

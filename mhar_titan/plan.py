@@ -19,8 +19,14 @@ with gradients, the last input gradients). It is printed for the control arm (th
 - FSDP (more than one rank): each block's gathered bf16 parameters (the current and the
   prefetched one), and in the backward its unsharded gradient and fp32 reduce-scatter input;
   the embedding's at the end of the backward.
+- float8 (`[model] converters = ["quantize.linear.float8"]`): torchao's Float8Linear keeps the same
+  high-precision input for its backward as a bf16 linear, so `full` and `none` count as in bf16; under
+  `selective` the linear layers' products are `_scaled_mm`, which torchtitan's op-level policy does not
+  save (it names `mm`), so a block keeps its input and the attention's output only. The fp8 casts of one
+  matmul's operands are transient and not counted.
 Checked on one GPU at 8 and 16 layers of the 8B width, both arms, every mode (tests/test_plan.py
-holds the measured peaks); the FSDP terms are the same accounting, not yet measured on 8 GPUs.
+holds the measured peaks); the FSDP terms are the same accounting, not yet measured on 8 GPUs; the
+float8 terms follow from torchao's and torchtitan's code, not yet measured.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ class Geometry:
     num_blocks: int
     routing_heads: int
     ema: bool
+    float8: bool = False  # float8 linear layers (torchtitan's converter)
 
     @property
     def fsdp(self) -> bool:
@@ -105,6 +112,7 @@ def geometry(cfg: JobConfig, gpus: int, mhar: bool, layers: int | None = None) -
         num_blocks=cfg.mhar.num_blocks,
         routing_heads=cfg.mhar.num_heads,
         ema=cfg.ema.enable,
+        float8=any("float8" in c for c in cfg.model.converters),
     )
 
 
@@ -131,6 +139,8 @@ def layer_activations(g: Geometry, mode: str) -> float:
     lse = 4 * g.heads  # the attention's log-sum-exp, fp32 per head
     if mode == "full":
         return stream * g.dim  # the block's input, kept by the checkpoint
+    if mode == "selective" and g.float8:  # + the attention's output: the policy saves no _scaled_mm
+        return stream * g.dim + 2 * g.dim + lse
     if mode == "selective":  # + wq's, wv's and w1's outputs and the attention's, bf16
         return stream * g.dim + 2 * (2 * g.dim + g.kv_dim + g.hidden) + lse
     if mode == "none":

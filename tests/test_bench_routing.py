@@ -56,6 +56,7 @@ def test_microbatch_arms_compute_the_same_gradients():
         assert torch.equal(a, b.detach())
     mb.forward(fns["triton"], paired=True)
     mb.forward(fns["triton"], grad=True, paired=True)
+    mb.forward(fns["eager"], grad=True, wrapped=True)  # each call checkpointed, as the benchmark runs it
 
 
 def test_an_unknown_kernel_to_tune_is_refused_by_name_before_anything_runs():

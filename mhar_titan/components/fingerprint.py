@@ -8,7 +8,8 @@ in four groups:
   mixture source with its weight), each source's contents (every shard's size and parquet footer,
   hashed: a corpus re-prepared in place differs), the order's seed and streams, the windows per
   loader batch (local_batch_size), the columns, the validation sets;
-- schedule: optimizer and LR schedule settings, global batch and sequence length, z-loss, EMA.
+- schedule: optimizer and LR schedule settings, global batch and sequence length, z-loss, EMA, and the
+  precision (model converters such as float8, recorded only when there are any).
 A job that would load one of the run's checkpoints compares its own fingerprint with the
 recorded one and refuses, listing every difference, unless `[checkpoint] allow_changes` names
 the groups it means to change (never `model`); allowed changes are logged and recorded.
@@ -155,8 +156,22 @@ def data_group(
     )
 
 
+def precision(job_config: JobConfig) -> dict[str, Any]:
+    """The model converters a job trains with (torchtitan's `[model] converters`: float8 matmuls) and the float8
+    settings that change what they compute; empty for plain bf16, as every run recorded before converters were."""
+    converters = list(job_config.model.converters)
+    if not converters:
+        return {}
+    out: dict[str, Any] = {"converters": converters}
+    if any("float8" in c for c in converters):
+        f8 = job_config.quantize.linear.float8
+        out["float8"] = {"recipe_name": f8.recipe_name, "filter_fqns": sorted(f8.filter_fqns), "emulate": f8.emulate}
+    return out
+
+
 def schedule_group(job_config: JobConfig, global_batch_size: int) -> dict[str, Any]:
     opt, lr, t = job_config.optimizer, job_config.lr_scheduler, job_config.training
+    optional = {"precision": precision(job_config)} if job_config.model.converters else {}
     return _plain(
         {
             "optimizer": opt.name,
@@ -176,6 +191,7 @@ def schedule_group(job_config: JobConfig, global_batch_size: int) -> dict[str, A
             "max_norm": t.max_norm,
             "z_loss": job_config.loss.z_loss,
             "ema": [job_config.ema.enable, job_config.ema.beta, job_config.ema.every],
+            **optional,
         }
     )
 

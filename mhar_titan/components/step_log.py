@@ -21,11 +21,18 @@ from mhar_titan.components.step_metrics import (
 )
 
 
+def mfu_note(job_config: JobConfig) -> str:
+    """Under a float8 converter MFU still counts the model's FLOPs against the bf16 peak (torchtitan's; #2451 there):
+    a bf16-equivalent figure, which the log line says."""
+    return " (bf16-equivalent)" if any("float8" in c for c in job_config.model.converters) else ""
+
+
 class StepLog:
     def __init__(self, mp: MetricsProcessor, job_config: JobConfig, device: torch.device, n_layers: int,
                  dataloader: ParquetDataLoader, clock: StepClock, memory_phases: MemoryPhases):  # fmt: skip
         self.mp, self.cfg, self.device, self.n_layers = mp, job_config, device, n_layers
         self.dataloader, self.clock, self.memory_phases = dataloader, clock, memory_phases
+        self.mfu_note = mfu_note(job_config)
 
     def write(self, step: int, v: StepValues, lrs: dict[str, float], tokens_seen: int, skipped: int) -> None:
         """`lrs`: each group's LR as the step applied it (the scheduler has moved on since). Loss values come on
@@ -61,5 +68,5 @@ class StepLog:
             + (f" (ce {m['train/ce']:.4f})" if v.parts else "")
             + f"  lr {next(iter(lrs.values())):.2e}  grad_norm {v.grad_norm:.3f}"
             f"  {m['tokens_per_s']:,.0f} tok/s/dev  {self.clock.pace(tokens_seen)}"
-            f"  mfu {m['mfu']:.1f}%  mem {m['memory/peak_reserved_gib']:.1f} GiB  eta {self.clock.eta()}"
+            f"  mfu {m['mfu']:.1f}%{self.mfu_note}  mem {m['memory/peak_reserved_gib']:.1f} GiB  eta {self.clock.eta()}"
         )

@@ -1,0 +1,107 @@
+"""float8 as an option of the pair (README, "float8"): both arms through torchtitan's float8 converter (here torchao's
+emulation on CPU, the tensorwise recipe without compile), the MHAR arm at init computing what the control computes
+under float8 too, the parity benchmark, the run's fingerprint, the memory plan, and the refusals."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+import mhar_titan.config as config_mod
+from mhar_titan.components import fingerprint
+from mhar_titan.components.step_log import mfu_note
+from mhar_titan.config import parse_config
+from mhar_titan.hf.export import init_hf
+from mhar_titan.plan import estimate, geometry
+
+FLOAT8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise",
+          "--quantize.linear.float8.filter_fqns", "output"]  # fmt: skip
+TINY = str(REPO / "configs" / "tiny_cpu.toml")
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    """The parity benchmark's four tiny jobs (control and MHAR, without and with float8), 8 steps each."""
+    tmp = tmp_path_factory.mktemp("float8")
+    base = tmp / "base"
+    init_hf(str(base), "tiny", tokenizer_dir=str(REPO / "assets" / "tiny"), seed=3)
+    root = tmp / "parity"
+    cmd = [sys.executable, "-m", "benchmarks.float8_parity", "run", str(root), "--base", str(base), "--steps", "8",
+           "--emulate", "--control", "configs/tiny_cpu.toml", "--mhar", "configs/tiny_cpu_mhar.toml", "--parallel", "2",
+           "--mhar.num_blocks", "2", "--compile.no-enable"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root, proc.stdout
+
+
+def test_the_mhar_arm_at_init_computes_the_control_under_float8_and_float8_changes_the_loss(parity):
+    root, _ = parity
+    result = json.loads((root / "float8_parity.json").read_text())
+    for precision in ("bf16", "float8"):  # "bf16": the configs' own precision (fp32 in the tiny CPU configs)
+        start = result["start"][precision]
+        assert start["step"] == 1 and start["control"] == start["mhar"], start  # gate 0: bit for bit
+    assert result["start"]["float8"]["control"] != result["start"]["bf16"]["control"]  # the converter ran
+    for arm in ("control", "mhar"):
+        a = result["arms"][arm]
+        assert a["steps"] == list(range(1, 9)) and a["noise"] > 0 and len(a["quarters"]) == 4
+        assert any(d != 0 for d in a["deltas"])
+    assert (root / "float8_parity.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| mhar | 4 | 7-8 |" in (root / "float8_parity.md").read_text()
+
+
+def test_a_float8_job_logs_its_mfu_as_bf16_equivalent_and_records_its_precision(parity):
+    root, _ = parity
+    log = (root / "mhar-float8.log").read_text()
+    assert "Float8 tensorwise scaled training active" in log  # torchtitan's converter swapped the linear layers
+    assert "% (bf16-equivalent)" in log
+    assert "bf16-equivalent" not in (root / "mhar-bf16.log").read_text()
+    recorded = json.loads((root / "mhar-float8" / fingerprint.FILE).read_text())
+    assert recorded["schedule"]["precision"] == {
+        "converters": ["quantize.linear.float8"],
+        "float8": {"recipe_name": None, "filter_fqns": ["output"], "emulate": True},
+    }
+    plain = json.loads((root / "mhar-bf16" / fingerprint.FILE).read_text())
+    assert "precision" not in plain["schedule"]  # as every run recorded before converters were
+
+
+def test_resuming_a_run_with_another_precision_is_refused_unless_the_schedule_may_change():
+    plain = parse_config(["--job.config_file", TINY])
+    f8 = parse_config(["--job.config_file", TINY, *FLOAT8])
+    recorded = {"schedule": fingerprint.schedule_group(plain, 8)}
+    current = {"schedule": fingerprint.schedule_group(f8, 8)}
+    refused = r"(?s)schedule\.precision\.converters: \"<absent>\" in the run.*allow_changes schedule"
+    with pytest.raises(ValueError, match=refused):
+        fingerprint.check(recorded, current, [], "runs/x")
+    lines = fingerprint.check(recorded, current, ["schedule"], "runs/x")
+    assert any(line.startswith("schedule.precision.float8.recipe_name") for line in lines)
+    assert fingerprint.check(current, current, [], "runs/x") == []
+    assert mfu_note(f8) == " (bf16-equivalent)" and mfu_note(plain) == ""
+
+
+def test_converters_other_than_float8_or_without_torchao_are_refused_before_any_work(monkeypatch):
+    with pytest.raises(ValueError, match=r"quantize\.linear\.mx not supported \(tested with both arms: quantize"):
+        parse_config(["--job.config_file", TINY, "--model.converters", "quantize.linear.mx"])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(config_mod.importlib.util, "find_spec", lambda name: None if name == "torchao" else real(name))
+    with pytest.raises(ValueError, match=r"needs torchao, which is not installed: pip install -e '\.\[float8\]'"):
+        parse_config(["--job.config_file", TINY, *FLOAT8])
+
+
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_the_plan_under_float8_keeps_less_only_under_selective_ac(gpus):
+    bench = ["--model.flavor", "marin8b_16l", "--training.seq_len", "4096", "--training.local_batch_size", "2"]
+    for mhar in (False, True):
+        plain = geometry(parse_config(["--job.config_file", TINY, *bench]), gpus, mhar)
+        f8 = geometry(parse_config(["--job.config_file", TINY, *bench, *FLOAT8]), gpus, mhar)
+        assert f8.float8 and not plain.float8
+        for mode in ("full", "none"):  # Float8Linear keeps the same high-precision input as a bf16 linear
+            assert estimate(f8, mode)["moments"] == estimate(plain, mode)["moments"]
+        kept = {g: estimate(g, "selective")["moments"]["backward start"]["blocks"] for g in (plain, f8)}
+        # op-level selective AC saves mm outputs (wq, wv, w1: bf16); float8's matmuls are _scaled_mm, not saved
+        dropped = f8.layers * f8.tokens * 2 * (f8.dim + f8.kv_dim + f8.hidden)
+        assert kept[plain] - kept[f8] == dropped
