@@ -7,11 +7,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO
 from torch.utils.tensorboard import SummaryWriter
 
 from mhar_titan.compare.pair import compare, main
 from mhar_titan.compare.stats import paired_ci, t_quantile
+from mhar_titan.components import fingerprint
 from mhar_titan.components.tensorboard_scalars import event_files, load_scalars, read_scalars
+from mhar_titan.config import parse_config
 
 N, SIGMA = 2000, 0.02
 FIRST_DELTA = 2.0**-16  # 2.5 and 2.5 + 2**-16 are both exact in float32
@@ -353,3 +356,29 @@ def test_change_from_a_base_on_other_batches_has_no_ci(tmp_path):
     row = r["from_base"]["control"][0]
     assert row["raw"]["ci"] is None and "differ from step 0" in row["raw"]["note"]
     assert "differ from step 0: not the same batches" in (tmp_path / "compare" / "report.md").read_text()
+
+
+def test_arms_that_recorded_other_settings_are_reported(tmp_path, capsys):
+    """The arms' fingerprint.json: base, data and schedule (precision included) must agree; [mhar] differs by
+    design. A float8 control beside a bf16 MHAR arm is named, in the summary and the report."""
+    plain = parse_config(["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml")])
+    f8 = parse_config(["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"),
+                       "--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate"])  # fmt: skip
+    for arm in ("control", "mhar"):
+        write_run(tmp_path / arm, {"train/loss": {s: 3.0 for s in range(1, 6)}})
+    assert compare(tmp_path)["checks"]["recipe"] == {"identical": None, "differences": []}  # none recorded
+    groups = {"base": {"init": "random"}, "data": {"seed": 0}}
+    for arm, cfg in (("control", f8), ("mhar", plain)):
+        model = {"mhar": {"enable": arm == "mhar"}}
+        record = {**groups, "model": model, "schedule": fingerprint.schedule_group(cfg, 8)}
+        (tmp_path / arm / fingerprint.FILE).write_text(json.dumps(record))
+    main([str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert "identical: lr/decay None, tokens_seen None, data None, recipe False" in printed
+    assert 'schedule.precision.converters: ["quantize.linear.float8"] in control, "<absent>" in mhar' in printed
+    assert (
+        "| recorded settings (`fingerprint.json`: base, data, schedule, precision) | **differ**: "
+        in (tmp_path / "compare" / "report.md").read_text()
+    )
+    (tmp_path / "control" / fingerprint.FILE).write_text((tmp_path / "mhar" / fingerprint.FILE).read_text())
+    assert compare(tmp_path)["checks"]["recipe"]["identical"] is True

@@ -43,6 +43,7 @@ def test_pair_from_an_hf_base_starts_identical_and_the_report_says_so(tmp_path):
     assert (pair / "delta").is_dir() and list((pair / "control" / "validation").glob("step-*.json"))
     # the tiny configs' two-source mixture and two validation sets: identical data in both arms, each set reported
     assert result["data_identical"] and result["checks"]["data"]["tags"] >= 4
+    assert result["checks"]["recipe"] == {"identical": True, "differences": []}  # their fingerprint.json files
     assert [s["name"] for s in result["validation_sets"]] == ["docstrings", "code"]
     for vset in result["validation_sets"]:
         assert [row["step"] for row in vset["rows"]] == [0, 2, 4]

@@ -28,6 +28,7 @@ from mhar_titan.compare import report, routing
 from mhar_titan.compare import validation as cval
 from mhar_titan.compare.report import CHECKED
 from mhar_titan.compare.stats import batch_noise, divergence, median_after_warmup
+from mhar_titan.components import fingerprint
 from mhar_titan.components.tensorboard_scalars import LOSS_TAG, load_scalars
 
 Series = dict[int, float]
@@ -135,6 +136,18 @@ def _consistency_checks(cs: dict[str, Series], ms: dict[str, Series], steps: lis
     return checks
 
 
+def _recipe_check(c_run: Path, m_run: Path) -> dict[str, Any]:
+    """Did both arms record the same base, data and schedule (optimizer, LR, batch, z-loss, EMA, precision) in
+    their fingerprint.json? The model group differs by design ([mhar]). None where an arm recorded none."""
+    recorded = [fingerprint.read(str(run)) for run in (c_run, m_run)]
+    if None in recorded:
+        return {"identical": None, "differences": []}
+    diffs = [d for d in fingerprint.differences(*recorded) if d[0] != "model"]
+    lines = [line.replace(" in the run, ", " in control, ").removesuffix(" now") + " in mhar"
+             for line in fingerprint.describe(diffs)]  # fmt: skip
+    return {"identical": not diffs, "differences": lines}
+
+
 def _tokens_per_s(cs: dict[str, Series], ms: dict[str, Series]) -> dict[str, float | None]:
     tps = {
         "control": median_after_warmup(cs.get("tokens_per_s")),
@@ -217,6 +230,7 @@ def compare(
     changes = {"control": cval.from_base(cs, cv), "mhar": cval.from_base(ms, mv)}
     sets = cval.named_sets(cs, ms, cv, mv)
     checks = _consistency_checks(cs, ms, steps)
+    checks["recipe"] = _recipe_check(c_run, m_run)
     tps = _tokens_per_s(cs, ms)
     delta_series = _delta_series(cs, ms, steps, deltas, val, changes)
     delta_dir = pair / DELTA_RUN

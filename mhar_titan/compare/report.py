@@ -231,9 +231,19 @@ def _consistency_lines(r: dict[str, Any], control: str, mhar: str) -> list[str]:
     lines += [
         f"| data counters (`data/docs`, `data/tokens/*`: {data['tags']} tags) | "
         f"{_check_text(data, control, mhar, n)} |",
+        f"| recorded settings (`fingerprint.json`: base, data, schedule, precision) | {_recipe_text(r)} |",
         "",
     ]
     return lines
+
+
+def _recipe_text(r: dict[str, Any]) -> str:
+    recipe = r["checks"].get("recipe", {"identical": None})
+    if recipe["identical"] is None:
+        return "n/a (an arm has no fingerprint.json)"
+    if recipe["identical"]:
+        return "identical"
+    return "**differ**: " + "; ".join(recipe["differences"])
 
 
 def summary_lines(r: dict[str, Any]) -> list[str]:
@@ -250,6 +260,8 @@ def summary_lines(r: dict[str, Any]) -> list[str]:
     if r.get("routing"):
         steps = r["routing"]["steps"]
         lines.append(f"routing: {len(steps)} logged steps of {r['routing']['layers']} layers ({steps[0]}..{steps[-1]})")
-    lines.append("identical: " + ", ".join(f"{k} {r['checks'][k]['identical']}" for k in (*CHECKED, "data")))
+    lines.append("identical: " + ", ".join(f"{k} {r['checks'][k]['identical']}" for k in (*CHECKED, "data", "recipe")))
+    if r["checks"]["recipe"]["identical"] is False:
+        lines += [f"the arms recorded other settings: {d}" for d in r["checks"]["recipe"]["differences"]]
     lines += [f"wrote {p}" for p in (r["delta_dir"], r["report"], *r["plots"])]
     return lines
