@@ -29,7 +29,9 @@ test: install
 # The tiny pair end to end: a corpus and tokenizer from this machine's Python docstrings, a random
 # HF-format base, both arms loading it on 2 CPU FSDP ranks, then the paired comparison.
 DEMO_BASE := --model.flavor hf --model.hf_assets_path $(DEMO_DIR)/base --checkpoint.initial_load_in_hf \
-	--data.mixture docstrings=0.7:$(DEMO_DIR)/data/corpus,code=0.3:$(DEMO_DIR)/data/code
+	--data.mixture docstrings=0.7:$(DEMO_DIR)/data/corpus,code=0.3:$(DEMO_DIR)/data/code \
+	--data.mixture_stages '121: docstrings=0.3 code=0.7'
+# two mixture stages: the mixture's 70/30, then 30/70 over the last 30 of the 150 steps (README, "Mixture stages")
 
 demo: install
 	rm -rf $(DEMO_DIR)

@@ -15,6 +15,11 @@ class DataConfig:
     line comma-separated: --data.mixture web=0.7:/data/web,math=0.3:/data/math. Each window
     comes from one source, picked by a low-discrepancy sequence of (seed, stream, window): shares follow the
     weights batch by batch; each source needs at least num_streams shards."""
+    mixture_stages: list[str] = field(default_factory=list)
+    """Mixture weights that change at training steps: entries 'STEP: name=weight name=weight ...' naming every
+    mixture source (0 leaves one out), in force from training step STEP on (before the first entry, the
+    mixture's own weights), e.g. ["7601: web=0.3 hq=0.7"] for an anneal mix over the last 20% of 9,500 steps;
+    on the command line --data.mixture_stages "7601: web=0.3 hq=0.7" (entries comma-separated)."""
     on_source_exhausted: str = "repeat"
     """A source read to its end: 'repeat' starts its next epoch (re-shuffled; logged, counted as
     data/mixture/<name>/epochs); 'stop' also ends the run at the next log step, with a checkpoint."""

@@ -2,8 +2,9 @@
 
 Each data-parallel rank owns the logical streams s with s % dp_world == dp_rank
 and takes its k-th batch from its (k mod n)-th stream, k counting batches from
-the start of the run. A stream reads every source of the mixture (data/mixture.py;
-`[data] paths` is a mixture of one source). Loader workers split a rank's streams, and every batch
+the start of the run, batch k of training step k // accumulation + 1. A stream reads every source of the
+mixture (data/mixture.py; `[data] paths` is a mixture of one source), with the weights of that step's
+stage (data/stages.py). Loader workers split a rank's streams, and every batch
 carries a copy of its stream's state, so the main process always knows the exact
 state of each stream after the last batch it delivered: the checkpointed state is
 the same with 0 or 8 workers, and a run may resume on another number of ranks (each
@@ -41,6 +42,7 @@ from data.mixture import (
     parse_validation_sets,
 )
 from data.shards import NoDataError, Scan, ShardInfo, held_out, list_shards, name_paths
+from data.stages import StageSchedule, parse_stages, step_of_batch, stream_batches_before
 from data.stream import COUNTERS, PackedStream
 from mhar_titan.components.collectives import gather_objects
 
@@ -98,7 +100,7 @@ class _RankStreams(IterableDataset):
 
     def __init__(self, loader: ParquetDataLoader, states: dict[int, dict[str, Any]], start: int):
         self.cfg, self.sources, self.shards, self.encode = loader.cfg, loader.sources, loader.shards, loader.encode
-        self.infos = loader.infos
+        self.infos, self.schedule, self.accumulation = loader.infos, loader.schedule, loader.accumulation
         self.local, self.batch, self.seq_len = loader.local, loader.batch, loader.seq_len
         self.states, self.start = states, start
 
@@ -119,6 +121,7 @@ class _RankStreams(IterableDataset):
                 self.states[self.local[i]],
                 keep,
                 self.infos,
+                self.schedule,
             )
             for i in mine
         }
@@ -126,7 +129,7 @@ class _RankStreams(IterableDataset):
         while True:
             sid = self.local[k % n]
             stream = streams[sid]
-            inputs, labels = stream.next_batch(self.batch, self.seq_len)
+            inputs, labels = stream.next_batch(self.batch, self.seq_len, step_of_batch(k, self.accumulation))
             yield {"input": inputs, "labels": labels, "stream": sid, "state": stream.snapshot()}
             k += workers
 
@@ -145,9 +148,12 @@ class ParquetDataLoader(BaseDataLoader):
         dp_world: int,
         num_workers: int = 0,
         infos: dict[str, ShardInfo] | None = None,
+        accumulation: int = 1,
     ):
         """`shards`: each mixture source's usable shards by name (a list: the one source of `paths`);
-        `infos`: their row groups from the start-up check (`source_shards`), so no stream reads a footer."""
+        `infos`: their row groups from the start-up check (`source_shards`), so no stream reads a footer;
+        `accumulation`: the microbatches a rank takes a training step (the step, and so the mixture stage, of
+        each batch)."""
         cfg.validate()
         if cfg.num_streams % dp_world:
             raise ValueError(f"[data] num_streams = {cfg.num_streams} must be a multiple of the {dp_world} DP ranks")
@@ -163,8 +169,22 @@ class ParquetDataLoader(BaseDataLoader):
         self.seq_len, self.batch, self.num_workers = seq_len, batch, num_workers
         self.local = [s for s in range(cfg.num_streams) if s % dp_world == dp_rank]
         self.names = [src.name for src in self.sources]
+        self.schedule = StageSchedule(parse_stages(cfg, self.names, [src.weight for src in self.sources], None))
+        self.accumulation, self.dp_world = accumulation, dp_world
         self.states = {s: new_mixed_state(self.names) for s in self.local}
         self.batches = 0
+
+    def step(self) -> int:
+        """The training step of the last batch delivered (1 before any)."""
+        return step_of_batch(max(0, self.batches - 1), self.accumulation)
+
+    def start_at(self, step: int) -> None:
+        """Place every stream's window counter where training step `step` begins and start there (the preview:
+        each source's documents from their start, the mixture's picks exactly those of `step` on)."""
+        per_step = self.accumulation * self.dp_world
+        for s in self.local:
+            self.states[s]["windows"] = self.batch * stream_batches_before(step, s, self.cfg.num_streams, per_step)
+        self.batches = (step - 1) * self.accumulation
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         dataset = _RankStreams(self, copy.deepcopy(self.states), self.batches)
@@ -219,9 +239,13 @@ class ParquetDataLoader(BaseDataLoader):
         for sub in subs:
             for source, n in sub["source_tokens"].items():
                 out[f"tokens/{source}"] = out.get(f"tokens/{source}", 0) + n
+        stage = self.schedule.at(self.step()).number
         for name in self.names:
             out[f"mixture/{name}/tokens"] = sum(st["tokens"][name] for st in self.states.values())
             out[f"mixture/{name}/epochs"] = sum(st["sources"][name]["epoch"] for st in self.states.values())
+            if self.schedule.staged:  # this stage's tokens (a stream not read in it yet delivered none)
+                in_stage = (st["stage"] for st in self.states.values())
+                out[f"mixture/{name}/stage_tokens"] = sum(t["tokens"][name] for t in in_stage if t["number"] == stage)
         return out
 
 
@@ -347,6 +371,14 @@ def build_parquet_dataloader(
     if not isinstance(tokenizer, HuggingFaceTokenizer):
         raise TypeError("the parquet loader needs the HF tokenizer of model.hf_assets_path")
     t = job_config.training
+    global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dp_world_size
+    accumulation, rest = divmod(global_batch, t.local_batch_size * dp_world_size)
+    if rest or not accumulation:  # torchtitan refuses it too, later
+        raise ValueError(
+            f"[training] global_batch_size = {global_batch} is not a multiple of local_batch_size x data-parallel "
+            f"ranks = {t.local_batch_size} x {dp_world_size}"
+        )
+    check_stages(job_config)  # before any shard is listed
     shards, infos = source_infos(cfg)
     return ParquetDataLoader(
         cfg,
@@ -358,7 +390,22 @@ def build_parquet_dataloader(
         dp_world=dp_world_size,
         num_workers=t.dataloader.num_workers,
         infos=infos,
+        accumulation=accumulation,
     )
+
+
+def last_step(job_config: JobConfig) -> int:
+    """The last step of the run's schedule: its steps, or the LR schedule's end if later (a run trained in
+    several shorter jobs)."""
+    return max(job_config.training.steps, job_config.lr_scheduler.total_steps or 0)
+
+
+def check_stages(job_config: JobConfig) -> StageSchedule:
+    """`[data] mixture_stages` against the mixture and the run's last step (a ValueError names the stage)."""
+    cfg = data_config(job_config)
+    sources = parse_mixture(cfg)
+    names, weights = [s.name for s in sources], [s.weight for s in sources]
+    return StageSchedule(parse_stages(cfg, names, weights, last_step(job_config)))
 
 
 def gather_counters(loader: ParquetDataLoader) -> dict[str, int]:
@@ -368,42 +415,3 @@ def gather_counters(loader: ParquetDataLoader) -> dict[str, int]:
         for k, v in counts.items():
             total[k] = total.get(k, 0) + v
     return total
-
-
-OTHER_SOURCES = "other"
-
-
-def token_shares(counters: dict[str, int], top: int = 16) -> dict[str, float]:
-    """data/token_share/<tag>: the share of the tokens counted by source-column tag so far, for the `top`
-    tags with the most tokens (ties by tag name), the rest summed into data/token_share/other (a tag named
-    'other' counts there too); the shares sum to 1. `top = 0`: none (`[data] token_share_sources`)."""
-    if top < 0:
-        raise ValueError(f"token_shares: top = {top} must be >= 0 (0: no per-source token shares)")
-    tokens = {k.removeprefix("tokens/"): v for k, v in counters.items() if k.startswith("tokens/")}
-    total = sum(tokens.values())
-    if not total or not top:
-        return {}
-    ranked = sorted((tag for tag in tokens if tag != OTHER_SOURCES), key=lambda tag: (-tokens[tag], tag))
-    out = {f"data/token_share/{tag}": tokens[tag] / total for tag in ranked[:top]}
-    rest = [tokens[tag] for tag in ranked[top:]] + ([tokens[OTHER_SOURCES]] if OTHER_SOURCES in tokens else [])
-    if rest:
-        out[f"data/token_share/{OTHER_SOURCES}"] = sum(rest) / total
-    return out
-
-
-def mixture_counter(counters: dict[str, int], kind: str) -> dict[str, int]:
-    """{source name: its `mixture/<name>/<kind>` counter} (kind: tokens or epochs), the one parse of those keys."""
-    parts = (k.split("/") for k in counters)
-    return {p[1]: counters["/".join(p)] for p in parts if len(p) == 3 and p[0] == "mixture" and p[2] == kind}
-
-
-def source_shares(counters: dict[str, int]) -> dict[str, float]:
-    """{source name: its share of the tokens delivered so far}, with a mixture of two or more sources."""
-    tokens = mixture_counter(counters, "tokens")
-    total = sum(tokens.values())
-    return {name: n / total for name, n in tokens.items()} if len(tokens) > 1 and total else {}
-
-
-def mixture_shares(counters: dict[str, int]) -> dict[str, float]:
-    """data/mixture/<name>/share: each source's share of the tokens delivered so far (with a mixture)."""
-    return {f"data/mixture/{name}/share": share for name, share in source_shares(counters).items()}

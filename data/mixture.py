@@ -12,6 +12,9 @@ workers) continues each stream exactly, and over any n consecutive windows of a 
 source's count is within a few windows of weight * n (the golden-ratio sequence's discrepancy
 grows like log n), so token shares follow the weights batch by batch, not only on average.
 
+The weights can change at given training steps (`[data] mixture_stages`, data/stages.py): window j is then
+picked against the weights of the stage its training step is in, from the same sequence u_j.
+
 A source whose shards are all read starts another epoch (re-shuffled); that is logged and
 counted (`epochs`), and `[data] on_source_exhausted = "stop"` makes the trainer stop the run at
 its next log step, on every rank at once (the counters are gathered there).
@@ -32,6 +35,7 @@ import torch
 
 from data.config import DataConfig
 from data.shards import ShardInfo
+from data.stages import Stage, StageSchedule
 from data.stream import PackedStream, new_state, state_from_json
 
 logger = logging.getLogger(__name__)
@@ -39,7 +43,8 @@ logger = logging.getLogger(__name__)
 ONE = 2**64
 GOLDEN = (math.isqrt(5 * ONE * ONE) - ONE) // 2  # floor(2**64 * (sqrt(5) - 1) / 2), exactly
 DEFAULT_SOURCE = "corpus"  # the name of the one source of `[data] paths` / `manifest`
-MIXED_KEYS = ("windows", "sources", "tokens")
+MIXED_KEYS = ("windows", "sources", "tokens", "stage")
+OPTIONAL_KEYS = ("stage",)  # states written before mixture stages lack it
 
 
 @dataclass(frozen=True)
@@ -154,8 +159,18 @@ def pick(start: int, j: int, edges: list[int]) -> int:
 # -- state -------------------------------------------------------------------------------------
 
 
+def new_stage_state(number: int, names: list[str]) -> dict[str, Any]:
+    """The stage a stream's last window was in and the tokens each source delivered in it."""
+    return {"number": number, "tokens": {n: 0 for n in names}}
+
+
 def new_mixed_state(names: list[str]) -> dict[str, Any]:
-    return {"windows": 0, "sources": {n: new_state() for n in names}, "tokens": {n: 0 for n in names}}
+    return {
+        "windows": 0,
+        "sources": {n: new_state() for n in names},
+        "tokens": {n: 0 for n in names},
+        "stage": new_stage_state(1, names),
+    }
 
 
 def mixed_state_to_json(state: dict[str, Any]) -> str:
@@ -180,10 +195,12 @@ def mixed_state_from_json(key: str, value: object, names: list[str]) -> dict[str
                 "resume with the run's own data settings"
             )
         flat = state_from_json(key, value)
-        return {"windows": flat["batches"], "sources": {names[0]: flat}, "tokens": {names[0]: 0}}
+        state = new_mixed_state(names)
+        state.update(windows=flat["batches"], sources={names[0]: flat})
+        return state
     if not isinstance(raw, dict):
         raise ValueError(f"{key}: not a JSON stream state (a JSON {type(raw).__name__}, not an object)")
-    if set(raw) != set(MIXED_KEYS):
+    if not set(MIXED_KEYS) - set(OPTIONAL_KEYS) <= set(raw) <= set(MIXED_KEYS):
         raise ValueError(f"{key}: not a mixture stream state (keys {sorted(raw)}, expected {list(MIXED_KEYS)})")
     if type(raw["windows"]) is not int or raw["windows"] < 0:
         raise ValueError(f"{key}.windows: {raw['windows']!r} is not a non-negative integer")
@@ -203,7 +220,24 @@ def mixed_state_from_json(key: str, value: object, names: list[str]) -> dict[str
     for name in names:
         if name not in sources:
             logger.warning(f"[data] {key}: source {name!r} is new to the mixture; it starts at its beginning")
+    # written before stages: one stage, the whole run so far
+    stage = raw.get("stage", {"number": 1, "tokens": state["tokens"]})
+    state["stage"] = _stage_from_json(f"{key}.stage", stage, names)
     return state
+
+
+def _stage_from_json(key: str, raw: object, names: list[str]) -> dict[str, Any]:
+    if not isinstance(raw, dict) or set(raw) != {"number", "tokens"} or not isinstance(raw["tokens"], dict):
+        raise ValueError(f"{key}: expected an object with number and tokens, got {raw!r}")
+    if type(raw["number"]) is not int or raw["number"] < 1:
+        raise ValueError(f"{key}.number: {raw['number']!r} is not a stage number (1, 2, ...)")
+    stage = new_stage_state(raw["number"], names)
+    for name, n in raw["tokens"].items():
+        if type(n) is not int or n < 0:
+            raise ValueError(f"{key}.tokens.{name}: {n!r} is not a non-negative integer")
+        if name in names:
+            stage["tokens"][name] = n
+    return stage
 
 
 # -- the stream --------------------------------------------------------------------------------
@@ -223,20 +257,29 @@ class MixedStream:
         state: dict[str, Any] | None = None,
         keep: Callable[[str], bool] = lambda text: True,
         infos: dict[str, ShardInfo] | None = None,
+        schedule: StageSchedule | None = None,
     ):
+        """`schedule`: the weights by training step (default: the mixture's own at every step)."""
         names = [s.name for s in sources]
         self.stream, self.names = stream, names
         self.state = state if state is not None else new_mixed_state(names)
-        self.edges, self.start = bounds([s.weight for s in sources]), phase(cfg.seed, stream)
+        self.schedule = schedule or StageSchedule([Stage(1, 1, tuple(s.weight for s in sources))])
+        self.edges = {stage.number: bounds(list(stage.weights)) for stage in self.schedule.stages}
+        self.start = phase(cfg.seed, stream)
         self.subs = {
             n: PackedStream(stream, shards[n], cfg, encode, eos_id, self.state["sources"][n], keep, infos=infos)
             for n in names
         }
 
-    def next_batch(self, batch: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self, batch: int, seq_len: int, step: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """`batch` windows of training step `step` (its stage's weights pick their sources)."""
+        number = self.schedule.at(step).number
+        if self.state["stage"]["number"] != number:
+            self.state["stage"] = new_stage_state(number, self.names)
+        edges = self.edges[number]
         rows = []
         for _ in range(batch):
-            name = self.names[pick(self.start, self.state["windows"], self.edges)]
+            name = self.names[pick(self.start, self.state["windows"], edges)]
             sub = self.subs[name]
             epoch = sub.state["epoch"]
             out = sub.next_batch(1, seq_len)
@@ -249,6 +292,7 @@ class MixedStream:
                 )
             self.state["windows"] += 1
             self.state["tokens"][name] += seq_len
+            self.state["stage"]["tokens"][name] += seq_len
         return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
 
     def snapshot(self) -> dict[str, Any]:
@@ -256,4 +300,5 @@ class MixedStream:
             "windows": self.state["windows"],
             "sources": {n: sub.snapshot() for n, sub in self.subs.items()},
             "tokens": dict(self.state["tokens"]),
+            "stage": {"number": self.state["stage"]["number"], "tokens": dict(self.state["stage"]["tokens"])},
         }

@@ -1,6 +1,11 @@
 """Look at the data before a long run: the first packed windows, and the mixture's token shares.
 
-python -m data.preview CONFIG [--rank R --world W] [--n N] [--batches B] [--json] [--section.key value ...]
+python -m data.preview CONFIG [--rank R --world W] [--step S] [--n N] [--batches B] [--json] [--section.key value ...]
+
+From `--step S` on (default 1), the windows are picked as training picks them from that step on, with the
+weights of each mixture stage it reaches ([data] mixture_stages), and the shares are counted per stage. The
+documents in those windows are each source's first ones: the documents a stream reads at step S depend on
+everything it read before, which the preview does not read.
 
 Any further `--section.key value` arguments override the config as they do for train_cpt.py
 (e.g. `--data.mixture web=0.7:/data/web code=0.3:/data/code --training.seq_len 512`).
@@ -15,9 +20,11 @@ import sys
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.config import JobConfig
 
-from data.loader import Encoder, ParquetDataLoader, data_config, source_shards, source_shares
+from data.counters import mixture_counter, source_shares
+from data.loader import Encoder, ParquetDataLoader, check_stages, data_config, source_shards
 from data.mixture import parse_validation_sets
 from data.shards import BadShardError, NoDataError
+from data.stages import step_of_batch
 from mhar_titan.config import parse_config
 
 BOUNDARY = "\n\u2502\u2502 end of document \u2502\u2502\n"
@@ -31,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("config", help="the run's TOML config (its [data], [model] hf_assets_path, [training] seq_len)")
     parser.add_argument("--rank", type=int, default=0, help="the data-parallel rank whose batches to show (default 0)")
     parser.add_argument("--world", type=int, default=1, help="the number of data-parallel ranks (default 1)")
+    parser.add_argument("--step", type=int, default=1, help="the training step to start at (default 1)")
     parser.add_argument("--n", type=int, default=4, help="windows to print (default 4)")
     parser.add_argument(
         "--batches", type=int, default=0, help="batches (of [training] local_batch_size) read for the shares"
@@ -39,8 +47,10 @@ def main(argv: list[str] | None = None) -> None:
         "--json", action="store_true", help="print one JSON object: windows (token ids), source_shares, counters"
     )
     args, overrides = parser.parse_known_args(argv)
-    job = parse_config(["--job.config_file", args.config, *overrides])
+    if args.step < 1 or args.world < 1 or not 0 <= args.rank < args.world:
+        parser.error(f"--step {args.step} (from 1), --rank {args.rank} of --world {args.world}: out of range")
     try:
+        job = parse_config(["--job.config_file", args.config, *overrides])
         show(job, args)
     except (NoDataError, BadShardError, ValueError) as e:  # the message names the setting or shard
         sys.exit(f"data.preview: {type(e).__name__}: {e}")
@@ -58,9 +68,49 @@ def decode_marked(tokenizer: HuggingFaceTokenizer, ids: list[int]) -> str:
     return "".join(pieces) + tokenizer.decode(current)
 
 
+def accumulation(job: JobConfig, world: int) -> int:
+    """Microbatches a rank takes a step with `world` ranks, from the config's global batch."""
+    t = job.training
+    g = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * world
+    steps, rest = divmod(g, t.local_batch_size * world)
+    if rest or not steps:
+        raise ValueError(
+            f"[training] global_batch_size = {g} is not a multiple of local_batch_size x --world = "
+            f"{t.local_batch_size} x {world}"
+        )
+    return steps
+
+
+def read(loader: ParquetDataLoader, batches: int, n: int) -> tuple[list[dict], list[dict]]:
+    """The first `n` windows of `batches` batches, and per stage reached the tokens each source delivered."""
+    it, windows, stages = iter(loader), [], {}
+    for k in range(batches):
+        before = mixture_counter(loader.counters(), "tokens")
+        inputs, labels = next(it)
+        after = mixture_counter(loader.counters(), "tokens")
+        number = loader.schedule.at(loader.step()).number
+        tokens = stages.setdefault(number, dict.fromkeys(loader.names, 0))
+        for name in loader.names:
+            tokens[name] += after[name] - before[name]
+        stream = loader.local[(loader.batches - 1) % len(loader.local)]
+        for row in range(inputs["input"].shape[0]):
+            if len(windows) < n:
+                ids = inputs["input"][row].tolist() + [labels[row, -1].item()]
+                windows.append({"window": len(windows), "batch": k, "stream": stream, "ids": ids})
+    described = loader.schedule.describe(loader.names)
+    out = []
+    for number, tokens in stages.items():
+        total = sum(tokens.values()) or 1
+        out.append({"stage": number, "from_step": described[number - 1]["start"],
+                    "weights": described[number - 1]["weights"],
+                    "source_shares": {name: t / total for name, t in tokens.items()}})  # fmt: skip
+    return windows, out
+
+
 def show(job: JobConfig, args: argparse.Namespace) -> None:
     cfg = data_config(job)
     parse_validation_sets(cfg)  # a wrong set is named here, not only when training builds its validator
+    check_stages(job)
     tokenizer = HuggingFaceTokenizer(job.model.hf_assets_path)
     batch = job.training.local_batch_size
     encode = Encoder(tokenizer, cfg.bos)
@@ -72,30 +122,42 @@ def show(job: JobConfig, args: argparse.Namespace) -> None:
         batch=batch,
         dp_rank=args.rank,
         dp_world=args.world,
+        accumulation=accumulation(job, args.world),
     )
-    it = iter(loader)
+    loader.start_at(args.step)
     batches = max(args.batches, -(-args.n // batch))
-    windows = []
-    for k in range(batches):
-        inputs, labels = next(it)
-        stream = loader.local[k % len(loader.local)]
-        for row in range(inputs["input"].shape[0]):
-            if len(windows) < args.n:
-                ids = inputs["input"][row].tolist() + [labels[row, -1].item()]
-                windows.append({"window": len(windows), "batch": k, "stream": stream, "ids": ids})
+    windows, stages = read(loader, batches, args.n)
     counters = loader.counters()
     shares = source_shares(counters)
     if not shares:  # one source: all of it
         shares = {name: 1.0 for name in loader.names}
+    last = step_of_batch(loader.batches - 1, loader.accumulation)
+    record = {"batches": batches, "rank": args.rank, "world": args.world, "step": args.step, "last_step": last,
+              "source_shares": shares, "stages": stages, "counters": counters, "windows": windows}  # fmt: skip
     if args.json:
-        record = {"batches": batches, "rank": args.rank, "world": args.world, "source_shares": shares}
-        print(json.dumps({**record, "counters": counters, "windows": windows}))
-        return
-    for w in windows:
+        print(json.dumps(record))
+    else:
+        print_text(tokenizer, loader, record)
+
+
+def print_text(tokenizer: HuggingFaceTokenizer, loader: ParquetDataLoader, r: dict) -> None:
+    """The preview for a reader: the windows' text, then the shares per stage and the counters."""
+    for w in r["windows"]:
         print(f"--- window {w['window']} (batch {w['batch']}, stream {w['stream']}, {len(w['ids'])} tokens) ---")
         print(decode_marked(tokenizer, w["ids"]))
-    print(f"--- after {batches} batches of {batch} on rank {args.rank} of {args.world}:")
-    for name, share in shares.items():
+    print(f"--- steps {r['step']}-{r['last_step']}: {r['batches']} batches of {loader.batch} on rank {r['rank']} of "
+          f"{r['world']}:")  # fmt: skip
+    if loader.schedule.staged:
+        for st in r["stages"]:
+            got = ", ".join(
+                f"{name} {st['source_shares'][name]:.1%} (weight {w:.1%})" for name, w in st["weights"].items()
+            )
+            print(f"  stage {st['stage']} (from step {st['from_step']}): {got}")
+        if r["step"] > 1:
+            print("  (the windows' documents are each source's first: what a stream reads at a later step depends on")
+            print("  everything before it)")
+    counters = r["counters"]
+    for name, share in r["source_shares"].items():
         weight = next(s.weight for s in loader.sources if s.name == name) / sum(s.weight for s in loader.sources)
         print(f"  source {name}: {share:.1%} of tokens (weight {weight:.1%}), {counters[f'mixture/{name}/tokens']:,}")
     total = sum(v for k, v in counters.items() if k.startswith("tokens/")) or 1

@@ -11,6 +11,7 @@ from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TitanJobConfig
 
 from data.config import DataConfig
+from data.loader import check_stages
 from mhar_titan.components import fingerprint
 from mhar_titan.config_check import check_config_file
 from mhar_titan.model.args import MHAR
@@ -119,6 +120,7 @@ def parse_config(argv: list[str]) -> TitanJobConfig:
     if not config.training.max_norm > 0:  # clipping to 0 zeroes every gradient: a run that does not train
         raise ValueError(f"[training] max_norm = {config.training.max_norm} must be > 0 (inf: no clipping)")
     check_converters(config.model.converters)
+    check_stages(config)
     fingerprint.check_allow(config.checkpoint.allow_changes)  # at every start: a typo is seen at once
     if config.checkpoint.last_save_in_hf:
         # torchtitan's writer keys shards by the base's index (no routing tensors: the MHAR arm fails at its

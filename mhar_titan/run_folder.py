@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 from torchtitan.tools.logging import logger
 
+from data.counters import mixture_counter
 from data.index import share_from_rank0
-from data.loader import gather_counters, mixture_counter
+from data.loader import gather_counters
 from mhar_titan.components import fingerprint, run_record
 from mhar_titan.components.lr_schedule import apply_settings
 from mhar_titan.components.optimizer import config_kwargs, group_settings, lr_multiplier

@@ -3,6 +3,7 @@
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -382,3 +383,36 @@ def test_arms_that_recorded_other_settings_are_reported(tmp_path, capsys):
     )
     (tmp_path / "control" / fingerprint.FILE).write_text((tmp_path / "mhar" / fingerprint.FILE).read_text())
     assert compare(tmp_path)["checks"]["recipe"]["identical"] is True
+
+
+def test_the_report_draws_the_stage_boundaries_with_the_lr_schedule(tmp_path):
+    steps = range(1, 21)
+    staged = {
+        **schedule(steps),
+        "data/stage": {s: 1.0 if s < 16 else 2.0 for s in steps},
+        "data/stage_share/web": {s: 0.7 if s < 16 else 0.2 for s in steps},
+        "data/stage_share/hq": {s: 0.3 if s < 16 else 0.8 for s in steps},
+    }
+    data = {"mixture": {"web": {"weight": 7.0}, "hq": {"weight": 3.0}},
+            "mixture_stages": [{"number": 2, "start": 16, "weights": {"web": 0.2, "hq": 0.8}}]}  # fmt: skip
+    for arm in ("control", "mhar"):
+        write_run(tmp_path / arm, {"train/loss": {s: 3.0 for s in steps}, **staged})
+        record = {"model": {}, "base": {}, "data": data, "schedule": {}}
+        (tmp_path / arm / fingerprint.FILE).write_text(json.dumps(record))
+    r = compare(tmp_path)
+    first, second = r["stages"]["stages"]
+    assert (first["number"], first["first_step"], second["number"], second["first_step"]) == (1, 1, 2, 16)
+    assert first["weights"] == {"web": 0.7, "hq": 0.3} and second["weights"] == {"web": 0.2, "hq": 0.8}
+    assert second["shares"]["mhar"] == pytest.approx({"web": 0.2, "hq": 0.8})
+    assert first["shares"]["control"] == pytest.approx({"web": 0.7, "hq": 0.3})  # at step 15, its last
+    text = (tmp_path / "compare" / "report.md").read_text()
+    assert "## Schedule and mixture stages" in text and "![LR schedule and mixture stages](schedule.png)" in text
+    assert "| 2 | 16 | web 20.0%, hq 80.0% | hq 80.0%, web 20.0% | hq 80.0%, web 20.0% |" in text
+    assert (tmp_path / "compare" / "schedule.png").read_bytes()[:4] == b"\x89PNG"
+    assert str(tmp_path / "compare" / "schedule.png") in r["plots"]
+    # a pair without stages gets the LR plot and says it had one stage
+    for arm in ("control", "mhar"):
+        shutil.rmtree(tmp_path / arm)
+        write_run(tmp_path / arm, {"train/loss": {s: 3.0 for s in steps}, **schedule(steps)})
+    assert compare(tmp_path)["stages"] is None
+    assert "One mixture stage" in (tmp_path / "compare" / "report.md").read_text()

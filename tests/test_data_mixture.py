@@ -20,7 +20,8 @@ from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 import data.stream as stream_module
 from data.config import DataConfig
-from data.loader import Encoder, ParquetDataLoader, ValidationLoader, mixture_shares, source_infos, source_shards
+from data.counters import mixture_shares
+from data.loader import Encoder, ParquetDataLoader, ValidationLoader, source_infos, source_shards
 from data.mixture import GOLDEN, ONE, bounds, parse_mixture, parse_source, parse_validation_sets, phase, pick
 from mhar_titan.components import fingerprint
 

@@ -11,8 +11,9 @@ from conftest import REPO
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from data.config import DataConfig
+from data.counters import mixture_shares, token_shares
 from data.demo_corpus import CODE_SOURCES, DOCSTRING_SOURCES, SOURCES, docstrings, node_kinds
-from data.loader import build_parquet_dataloader, mixture_shares, token_shares
+from data.loader import build_parquet_dataloader
 from mhar_titan.config import parse_config
 
 ASSETS = REPO / "assets" / "tiny"

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from mhar_titan.preflight.pair import resume_check
+from mhar_titan.config import parse_config
+from mhar_titan.preflight.pair import PairSettings, moved_stages, resume_check
 from mhar_titan.preflight.verdicts import explained, speed_memory_stage, start_stage
 
 CONFIGS = [str(REPO / "configs" / "tiny_cpu.toml"), str(REPO / "configs" / "tiny_cpu_mhar.toml")]
@@ -165,3 +166,21 @@ def test_the_slurm_form_runs_the_preflight_on_the_nodes_gpus(tmp_path):
     assert done.stdout.split() == ["-m", "mhar_titan.preflight", *CONFIGS, "--steps", "40", "--nproc", "8"]
     missing = subprocess.run(["bash", "launch/preflight.sbatch", CONFIGS[0]], cwd=REPO, capture_output=True, text=True)
     assert missing.returncode == 2 and "usage: sbatch" in missing.stderr
+
+
+def test_the_configs_mixture_stages_move_between_the_checkpoint_and_the_kill():
+    """A stage at step 121 of 150 would never be reached in 40 steps: it moves to step 26, after the step-20
+    checkpoint and before the kill after step 30, so the killed job and its relaunch both cross it."""
+    tiny = str(REPO / "configs" / "tiny_cpu.toml")
+    s = PairSettings(40, 20, 30, 2, Path("pair"), Path("logs"), sys.executable)
+    cfg = parse_config(["--job.config_file", tiny, "--data.mixture_stages", "121: docstrings=0.3 code=0.7"])
+    assert moved_stages(cfg, s) == (["--data.mixture_stages", "26: docstrings=0.3 code=0.7"],
+                                    "mixture stages moved to this run's steps (121 -> 26)")  # fmt: skip
+    two = parse_config([
+        "--job.config_file", tiny, "--data.mixture_stages", "100: docstrings=1 code=1,121: docstrings=0 code=1"
+    ])  # fmt: skip
+    assert moved_stages(two, s)[0] == [
+        "--data.mixture_stages",
+        "24: docstrings=1.0 code=1.0,27: docstrings=0.0 code=1.0",
+    ]
+    assert moved_stages(parse_config(["--job.config_file", tiny]), s) == ([], "")

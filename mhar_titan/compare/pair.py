@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from torch.utils.tensorboard import SummaryWriter
 
-from mhar_titan.compare import report, routing
+from mhar_titan.compare import report, routing, schedule
 from mhar_titan.compare import validation as cval
 from mhar_titan.compare.report import CHECKED
 from mhar_titan.compare.stats import batch_noise, divergence, median_after_warmup
@@ -235,6 +235,8 @@ def compare(
     delta_series = _delta_series(cs, ms, steps, deltas, val, changes)
     delta_dir = pair / DELTA_RUN
     routing_log, routing_plots = _write_routing_and_deltas(out, delta_dir, ms, m_run, delta_series)
+    stages = schedule.summary(cs, ms, c_run)
+    schedule_plot = schedule.plot(out, cs, ms, stages)
 
     result: dict[str, Any] = {
         "pair": str(pair),
@@ -255,8 +257,11 @@ def compare(
         "data_identical": checks["data"]["identical"],
         "delta_dir": str(delta_dir),
         "routing": routing.summary(routing_log) if routing_log is not None else None,
+        "stages": stages,
+        "schedule_drawn": schedule_plot is not None,
     }
-    _write_report(result, out, c_loss, m_loss, deltas, routing_plots, control, mhar)
+    plots = [*routing_plots, *([schedule_plot] if schedule_plot else [])]
+    _write_report(result, out, c_loss, m_loss, deltas, plots, control, mhar)
     return result
 
 
@@ -266,14 +271,14 @@ def _write_report(
     c_loss: Series,
     m_loss: Series,
     deltas: list[float],
-    routing_plots: list[Path],
+    extra_plots: list[Path],
     control: str,
     mhar: str,
 ) -> None:
     """Draws the plots and writes report.md, keeping mhar_titan.eval's eval.md appended when it is there;
     records both paths in `result`."""
     steps, noise, val = result["steps"], result["noise"], result["val"]
-    plots = report.plots(out, steps, c_loss, m_loss, deltas, noise, val, control, mhar) + routing_plots
+    plots = report.plots(out, steps, c_loss, m_loss, deltas, noise, val, control, mhar) + extra_plots
     result["plots"] = [str(p) for p in plots]
     report_md, evaluation = out / "report.md", out / "eval.md"  # eval.md: mhar_titan.eval's, kept when redone
     text = report.report_text(result, control, mhar)

@@ -10,7 +10,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from mhar_titan.compare import routing
+from mhar_titan.compare import routing, schedule
 from mhar_titan.compare import validation as cval
 from mhar_titan.compare.stats import WARMUP_LOGS
 from mhar_titan.components.tensorboard_scalars import LOSS_TAG
@@ -141,6 +141,7 @@ def report_text(r: dict[str, Any], control: str, mhar: str) -> str:
     lines += cval.report_lines(r, control, mhar)
     lines += cval.named_set_lines(r.get("validation_sets", []), control, mhar)
     lines += routing.report_lines(r.get("routing"), mhar, r["delta_dir"])
+    lines += schedule.report_lines(r.get("stages"), r.get("schedule_drawn", False))
     lines += _throughput_lines(r["tokens_per_s"], control, mhar)
     lines += _consistency_lines(r, control, mhar)
     return "\n".join(lines)

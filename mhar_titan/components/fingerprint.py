@@ -5,9 +5,9 @@ in four groups:
 - model: the architecture and the `[mhar]` graft (not the routing backend, which computes the same op);
 - base: the weights a fresh start loads (path, and hashes of its config.json and weight index);
 - data: the shards after the start-up check (their paths below the corpus folder, hashed; per
-  mixture source with its weight), each source's contents (every shard's size and parquet footer,
-  hashed: a corpus re-prepared in place differs), the order's seed and streams, the windows per
-  loader batch (local_batch_size), the columns, the validation sets;
+  mixture source with its weight; the mixture stages' weights by step), each source's contents
+  (every shard's size and parquet footer, hashed: a corpus re-prepared in place differs), the order's
+  seed and streams, the windows per loader batch (local_batch_size), the columns, the validation sets;
 - schedule: optimizer and LR schedule settings, global batch and sequence length, z-loss, EMA, and the
   precision (model converters such as float8, recorded only when there are any).
 A job that would load one of the run's checkpoints compares its own fingerprint with the
@@ -24,13 +24,15 @@ import hashlib
 import json
 import os
 import time
-from typing import Any
-
-from torchtitan.config import JobConfig
+from typing import TYPE_CHECKING, Any
 
 from data.mixture import parse_mixture
+from data.stages import StageSchedule, parse_stages
 from data.stream import shard_keys
 from mhar_titan.components.atomic import write_text
+
+if TYPE_CHECKING:  # annotations only: the comparison reads fingerprints without loading torchtitan (and triton)
+    from torchtitan.config import JobConfig
 
 FILE = "fingerprint.json"
 GROUPS = ("model", "base", "data", "schedule")
@@ -134,6 +136,10 @@ def data_group(
             for name, paths in shards.items()
         }
         shards = [path for paths in shards.values() for path in paths]
+    if cfg.mixture_stages:  # the weights by step, normalised: how they are written does not matter
+        sources = parse_mixture(cfg)
+        stages = parse_stages(cfg, [s.name for s in sources], [s.weight for s in sources], None)
+        optional["mixture_stages"] = StageSchedule(stages).describe([s.name for s in sources])[1:]
     for key, default in (("on_source_exhausted", "repeat"), ("bos", "auto"), ("validation_sets", [])):
         if getattr(cfg, key) != default:
             optional[key] = getattr(cfg, key)

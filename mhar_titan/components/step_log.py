@@ -8,7 +8,8 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config import JobConfig
 from torchtitan.tools.logging import logger
 
-from data.loader import ParquetDataLoader, gather_counters, mixture_shares, token_shares
+from data.counters import mixture_shares, stage_shares, token_shares
+from data.loader import ParquetDataLoader, gather_counters
 from mhar_titan.components.routing_stats import name_routing_stats
 from mhar_titan.components.step_metrics import (
     MemoryPhases,
@@ -38,8 +39,13 @@ class StepLog:
         """`lrs`: each group's LR as the step applied it (the scheduler has moved on since). Loss values come on
         log steps, routing statistics on their own steps; every rank calls (the counters are gathered)."""
         self.clock.tick(step)
+        schedule = self.dataloader.schedule
+        if schedule.staged and step > 1 and schedule.at(step).start == step:
+            stage = schedule.describe(self.dataloader.names)[schedule.at(step).number - 1]
+            shares = ", ".join(f"{name} {w:.1%}" for name, w in stage["weights"].items())
+            logger.info(f"[data] mixture stage {stage['number']} begins at step {step}: {shares}")
         if v.loss is not None:
-            metrics = self._metrics(v, lrs, tokens_seen, skipped)
+            metrics = self._metrics(step, v, lrs, tokens_seen, skipped)
             log_scalars(self.mp.logger, metrics, step)
             flush(self.mp)
             logger.info(self._line(step, v, metrics, lrs, tokens_seen))
@@ -47,10 +53,12 @@ class StepLog:
             named = name_routing_stats(torch.tensor(v.stats).reshape(self.n_layers, 2, -1))
             log_scalars(self.mp.logger, named, step)
 
-    def _metrics(self, v: StepValues, lrs: dict[str, float], tokens_seen: int, skipped: int) -> dict[str, float]:
+    def _metrics(self, step: int, v: StepValues, lrs: dict[str, float], tokens_seen: int, skipped: int) -> dict:
         counters = gather_counters(self.dataloader)
         metrics = {f"data/{k}": value for k, value in counters.items()}
         metrics.update({**mixture_shares(counters), **token_shares(counters, top=self.cfg.data.token_share_sources)})
+        if self.dataloader.schedule.staged:  # the stage this step trained in, and the shares delivered in it
+            metrics.update({"data/stage": self.dataloader.schedule.at(step).number, **stage_shares(counters)})
         metrics.update({"train/loss": v.loss, "train/loss_max": v.loss_max, "grad_norm": v.grad_norm,
                         "tokens_seen": tokens_seen, "train/skipped_steps": skipped})  # fmt: skip
         if v.parts:  # CE and z-loss of this step, per valid token over all ranks

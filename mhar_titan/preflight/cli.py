@@ -38,7 +38,16 @@ from mhar_titan.preflight import checks, verdicts
 from mhar_titan.preflight.evaluate import eval_stage
 from mhar_titan.preflight.exports import TOKENS, export_stage, fp32_matmuls, run_checks
 from mhar_titan.preflight.exports import merge as merge_exports
-from mhar_titan.preflight.pair import REPO, JobFailed, PairSettings, gates_moved, resume_check, run_killed, run_resumed
+from mhar_titan.preflight.pair import (
+    REPO,
+    JobFailed,
+    PairSettings,
+    gates_moved,
+    moved_stages,
+    resume_check,
+    run_killed,
+    run_resumed,
+)
 from mhar_titan.preflight.probe import gpu_memory_bytes, probe_stages
 from mhar_titan.preflight.probe_report import attention_nondeterminism
 from mhar_titan.preflight.report import report_markdown
@@ -244,7 +253,8 @@ class Preflight:
                 "--checkpoint.keep_every", "0",
                 "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
                 "--validation.enable", "--validation.freq", str(s.steps), "--validation.steps", val_steps,
-                "--validation.at_start"]  # fmt: skip
+                "--validation.at_start",
+                *moved_stages(self.cfgs["control"], s)[0]]  # fmt: skip
 
     def link_checkpoints(self, s: PairSettings) -> None:
         for arm in ARMS:
@@ -261,6 +271,8 @@ class Preflight:
         depth = (f"{self.layers} of {self.full} layers" if self.layers < self.full else f"{self.full} layers") + (
             ", random base" if self.base.random else ", the configs' base"
         )
+        if note := moved_stages(self.cfgs["control"], s)[1]:
+            depth += f"; {note}"
         try:
             base, _ = self.make_base()
             self.base_folder = base

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from data.loader import check_stages, data_config
+from data.mixture import parse_mixture
 from mhar_titan.components.checkpoint import complete_steps
 from mhar_titan.components.tensorboard_scalars import load_scalars
 
@@ -49,6 +51,23 @@ class PairSettings:
     logs: Path
     python: str
     timeout_s: float = 1800.0
+
+
+def moved_stages(job_config: Any, s: PairSettings) -> tuple[list[str], str]:
+    """The configs' mixture stages moved into the preflight's steps (their weights kept), between the midway
+    checkpoint and the kill, so that the killed job and its relaunch both cross a boundary: (the override, a
+    note for the report); nothing without stages."""
+    schedule = check_stages(job_config)
+    if not schedule.staged:
+        return [], ""
+    names = [src.name for src in parse_mixture(data_config(job_config))]
+    later = schedule.stages[1:]
+    span = s.kill_after - s.checkpoint_at
+    starts = [s.checkpoint_at + 1 + (j + 1) * span // (len(later) + 1) for j in range(len(later))]
+    entries = [f"{start}: " + " ".join(f"{n}={w!r}" for n, w in zip(names, st.weights, strict=True))
+               for start, st in zip(starts, later, strict=True)]  # fmt: skip
+    moved = ", ".join(f"{st.start} -> {start}" for start, st in zip(starts, later, strict=True))
+    return ["--data.mixture_stages", ",".join(entries)], f"mixture stages moved to this run's steps ({moved})"
 
 
 def job_command(config: str, arm: str, launch_id: str, s: PairSettings, overrides: list[str]) -> list[str]:
