@@ -71,7 +71,11 @@ def plot(out: Path, cs: dict[str, Series], ms: dict[str, Series], stages: dict[s
     for arm, scalars, style in (("control", cs, "-"), ("mhar", ms, "--")):
         lr = scalars.get(LR_TAG, {})
         ax.plot(sorted(lr), [lr[s] for s in sorted(lr)], style, lw=1.2, label=f"{arm}: {LR_TAG}")
-    for stage in (stages or {}).get("stages", [])[1:]:
+    every = (stages or {}).get("stages", [])
+    last = max((s for scalars in (cs, ms) for s in scalars.get(LR_TAG, {})), default=0)
+    for i, stage in enumerate(every[1:], 1):
+        end = every[i + 1]["first_step"] if i + 1 < len(every) else last
+        ax.axvspan(stage["first_step"], end, color="C3", alpha=0.06 * (1 + i % 2))
         ax.axvline(stage["first_step"], color="C3", ls=":", lw=1)
         label = f"stage {stage['number']}"
         if stage["weights"]:
