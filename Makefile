@@ -37,7 +37,7 @@ demo: install
 	$(PY) -m mhar_titan.hf init $(DEMO_DIR)/base --flavor tiny --tokenizer $(DEMO_DIR)/data --seed 0
 	PYTHON=$(PY) launch/pair.sh --nproc 2 tiny configs/tiny_cpu.toml configs/tiny_cpu_mhar.toml $(DEMO_BASE)
 	$(PY) -m mhar_titan.compare $(DEMO_DIR)
-	$(PY) -m mhar_titan.eval $(DEMO_DIR) --tasks mhar_tiny_cloze
+	$(PY) -m mhar_titan.eval $(DEMO_DIR) --once --tasks mhar_tiny_cloze
 	@echo "Report: $(DEMO_DIR)/compare/report.md"
 	@echo "TensorBoard: $(VENV)/bin/tensorboard --logdir $(DEMO_DIR)"
 
