@@ -26,6 +26,7 @@ PLOT = "eval_over_steps.png"
 PLOT_COLUMNS = 4
 STYLE = {"raw": "-", "ema": "--"}
 COLOUR = {"control": "C0", "mhar": "C1"}
+LABEL = {"raw": "raw", "ema": "EMA"}
 
 
 def merged(records: dict[Key, dict], arm: str, step: int, weights: str, tasks: list[str]) -> dict[str, Any] | None:
@@ -87,8 +88,9 @@ def markdown(report: dict[str, Any], base_note: str, plot: Path | None) -> str:
     MHAR), then each task's metric over the steps for both arms with the paired CIs."""
     s = report["settings"]
     shots = ", ".join(f"{t} {'default' if n is None else n}" for t, n in s["num_fewshot"].items())
+    which = " and ".join(LABEL.get(w, w) for w in s["weights"])
     lines = [REPORT_START, "## Evaluation (lm-evaluation-harness)", "",
-             f"Every kept checkpoint that both arms have, {' and '.join(s['weights'])} weights, evaluated as it landed "
+             f"Every kept checkpoint that both arms have, {which} weights, evaluated as it landed "
              f"(`python -m mhar_titan.eval --watch`/`--once`) with the same settings: tasks {', '.join(s['tasks'])}"
              f"{' (suite ' + s['suite'] + ')' if s.get('suite') else ''}; shots: {shots}; "
              f"{s['limit'] or 'all'} documents per task; {s['dtype']} on {s['device']}, batch size {s['batch_size']}; "
@@ -211,6 +213,7 @@ def _draw(report: dict[str, Any], task: str, metric: str, top: Any, bottom: Any)
     top.set_title(f"{task} {metric.removesuffix(',none')}", fontsize=9)
     top.set_xlabel("step")
     top.legend(fontsize=6)
+    bottom.set_xlim(top.get_xlim())  # the steps line up with the scores above
     bottom.axhline(0.0, color="gray", lw=0.8)
     bottom.set_title("MHAR - control, 95% CI", fontsize=9)
     bottom.set_xlabel("step")

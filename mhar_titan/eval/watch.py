@@ -281,8 +281,10 @@ class Watch:
         self.say(f"[eval] {key}: {shown or 'done'} ({seconds:.1f} s)")
 
     def report(self) -> None:
-        out = Path(self.args.out) if self.args.out else self.pair / "compare"
-        write_report(self.pair, out, self.store, self.skipped, self.base_note)
+        write_report(self.pair, self.out(), self.store, self.skipped, self.base_note)
+
+    def out(self) -> Path:
+        return Path(self.args.out) if self.args.out else self.pair / "compare"
 
 
 def _metric(key: str, value: Any) -> bool:
@@ -319,6 +321,8 @@ def watch(pair: Path, args: argparse.Namespace) -> Watch:
                 store.refresh()
                 w.check_identities()
                 w.run()
+            records = f"{len(store.records)} records in {store.folder}"
+            w.say(f"[eval] {w.evaluations} evaluations by this watcher, {records}; report: {w.out() / 'eval.md'}")
         except Stopped as e:
             e.in_flight, e.records = w.in_flight, len(store.records)  # for the command's one line
             raise
