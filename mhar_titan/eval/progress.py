@@ -106,7 +106,7 @@ def markdown(report: dict[str, Any], base_note: str, plot: Path | None) -> str:
         if latest not in by_step:
             continue
         lines += [
-            f"**{weights} weights**",
+            f"**{LABEL.get(weights, weights)} weights**",
             "",
             "| task | metric | base | control | mhar | delta | stderr | 95% CI | n |",
         ]
