@@ -15,7 +15,7 @@ tests/test_eval_suites.py: task names, datasets, shots, metric and filter names,
 | MBPP | mbpp | 3 | pass_at_1,none | google-research-datasets/mbpp (full) |
 
 MMLU's shots are not stated in the paper: 5, MMLU's own protocol for base models (Hendrycks et al.; the Llama 3
-and Marin base-model reports), the first five of each subject's dev split (lm-eval's `first_n`); lm-eval's
+base-model reports), the first five of each subject's dev split (lm-eval's `first_n`); lm-eval's
 default is 0. Its `mmlu` accuracy is the group's, weighted by subject size (the mean over all 14,042 questions).
 MATH: Minerva's prompt and its 4 fixed examples, scored by the math_verify checker as the paper does (lm-eval
 also reports the template-strict `exact_match`; it needs `pip install 'lm-eval[math]==0.4.13'`). HumanEval and
