@@ -27,7 +27,8 @@ test: install
 
 # The tiny pair, control then MHAR, each a 2-rank FSDP2 run (on CPU over gloo without a GPU).
 # The tiny pair end to end: a corpus and tokenizer from this machine's Python docstrings, a random
-# HF-format base, both arms loading it on 2 CPU FSDP ranks, then the paired comparison.
+# HF-format base, both arms loading it on 2 CPU FSDP ranks, then the paired comparison and the evaluation of
+# every kept step of both arms (50, 100, 150; raw and EMA) with the base as step 0 (--once: the watcher's work, then exit).
 DEMO_BASE := --model.flavor hf --model.hf_assets_path $(DEMO_DIR)/base --checkpoint.initial_load_in_hf \
 	--data.mixture docstrings=0.7:$(DEMO_DIR)/data/corpus,code=0.3:$(DEMO_DIR)/data/code \
 	--data.mixture_stages '121: docstrings=0.3 code=0.7'
@@ -39,7 +40,7 @@ demo: install
 	$(PY) -m mhar_titan.hf init $(DEMO_DIR)/base --flavor tiny --tokenizer $(DEMO_DIR)/data --seed 0
 	PYTHON=$(PY) launch/pair.sh --nproc 2 tiny configs/tiny_cpu.toml configs/tiny_cpu_mhar.toml $(DEMO_BASE)
 	$(PY) -m mhar_titan.compare $(DEMO_DIR)
-	$(PY) -m mhar_titan.eval $(DEMO_DIR) --tasks mhar_tiny_cloze
+	$(PY) -m mhar_titan.eval $(DEMO_DIR) --once --tasks mhar_tiny_cloze
 	@echo "Report: $(DEMO_DIR)/compare/report.md"
 	@echo "TensorBoard: $(VENV)/bin/tensorboard --logdir $(DEMO_DIR)"
 

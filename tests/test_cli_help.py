@@ -21,7 +21,7 @@ PACKAGES = ("mhar_titan", "data", "benchmarks")
 CLIS = {
     "mhar_titan.hf": "mhar_titan.hf.__main__",
     "mhar_titan.compare": "mhar_titan.compare.pair",
-    "mhar_titan.eval": "mhar_titan.eval.pair",
+    "mhar_titan.eval": "mhar_titan.eval.cli",
     "mhar_titan.plan": "mhar_titan.plan",
     "mhar_titan.preflight": "mhar_titan.preflight.cli",
     "mhar_titan.preflight.probe": "mhar_titan.preflight.probe",

@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO
 from tiny_runs import write_tiny_pair
 
-from mhar_titan.eval import harness
+from mhar_titan.eval import cli, harness
 from mhar_titan.eval import pair as pair_eval
 from mhar_titan.eval.tasks import TASK
 
@@ -88,7 +88,7 @@ def test_an_error_during_an_evaluation_leaves_no_scratch_export_and_says_where(p
 
     # The command line: one line, exit 1; Ctrl-C too removes the export, exit 130.
     with pytest.raises(SystemExit) as stopped:
-        pair_eval.main([str(pair), "--tasks", TASK, "--weights", "ema", "--limit", "2"])
+        cli.main([str(pair), "--tasks", TASK, "--weights", "ema", "--limit", "2"])
     assert "control arm, ema weights, step 4, tasks mhar_tiny_cloze: RuntimeError" in str(stopped.value.code)
     assert "\n" not in str(stopped.value.code)
 
@@ -97,7 +97,7 @@ def test_an_error_during_an_evaluation_leaves_no_scratch_export_and_says_where(p
 
     monkeypatch.setattr(harness.lm_eval, "simple_evaluate", interrupted)
     with pytest.raises(SystemExit) as stopped:
-        pair_eval.main([str(pair), "--tasks", TASK, "--weights", "raw", "--keep-exports"])
+        cli.main([str(pair), "--tasks", TASK, "--weights", "raw", "--keep-exports"])
     assert stopped.value.code == 130
     err = capsys.readouterr().err  # after datasets' progress bars (our task's file, read again: a new temp path)
     assert "Traceback" not in err and err.strip().splitlines()[-1] == (

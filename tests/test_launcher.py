@@ -455,3 +455,68 @@ def test_sbatch_signal_stops_the_trainer(tmp_path, fake_slurm, fake_python, sig,
     assert launch_id and (dump / "STOP").read_text() == launch_id + "\n"  # the trainer obeys it, even before it starts
     assert proc.returncode == 75, err
     assert (tmp_path / "requeued").exists() == requeued, err
+
+
+# --- launch/eval_watch.sbatch ------------------------------------------------------------------
+
+WATCH = str(REPO / "launch" / "eval_watch.sbatch")
+
+
+@pytest.fixture
+def pair_dir(tmp_path):
+    for arm in ("control", "mhar"):
+        (tmp_path / "pair" / arm).mkdir(parents=True)
+    return tmp_path / "pair"
+
+
+def test_eval_watch_dry_run_prints_the_watcher_on_the_gpu(pair_dir):
+    out = run(WATCH, "--dry-run", str(pair_dir), "--suite", "paper", "--dtype", "fp32").stdout.split()
+    assert out == [
+        sys.executable,
+        "-m",
+        "mhar_titan.eval",
+        str(pair_dir),
+        "--watch",
+        "--device",
+        "cuda",
+        "--dtype",
+        "bf16",
+        "--suite",
+        "paper",
+        "--dtype",
+        "fp32",
+    ]  # fmt: skip  (the later --dtype wins)
+    out = run(WATCH, "--dry-run", str(pair_dir), "--once", env={"EVAL_SCRATCH": "/local/scratch"}).stdout.split()
+    assert out[3:] == [str(pair_dir), "--device", "cuda", "--dtype", "bf16", "--scratch", "/local/scratch", "--once"]
+    header = [line.split()[1] for line in open(WATCH) if line.startswith("#SBATCH")]
+    assert "--gpus-per-node=1" in header and "--requeue" in header and "--nodes=1" in header
+    help_text = run(WATCH, "--help").stdout
+    assert help_text.startswith("sbatch [sbatch options] launch/eval_watch.sbatch [--dry-run] PAIR_DIR")
+
+
+def test_eval_watch_refuses_what_is_not_a_pair_in_one_line(pair_dir):
+    for args, named in [
+        ([], "usage: sbatch [sbatch options] launch/eval_watch.sbatch PAIR_DIR [eval options]"),
+        (
+            [str(pair_dir.parent / "nope")],
+            f"no pair folder {pair_dir.parent / 'nope'} (relative to {REPO}): expected "
+            "runs/NAME, as launch/pair.sh makes it",
+        ),
+        (
+            [str(pair_dir / "control")],
+            f"{pair_dir / 'control'}/control: missing; a pair folder holds control/ and mhar/ (launch/pair.sh)",
+        ),
+    ]:
+        proc = run(WATCH, *args, check=False)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"launch/eval_watch.sbatch: {named}"]
+
+
+def test_eval_watch_runs_the_watcher_and_passes_its_exit_code_on(pair_dir, tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {tmp_path}/argv\nexit 3\n')
+    fake.chmod(0o755)
+    proc = run(WATCH, str(pair_dir), "--tasks", "mhar_tiny_cloze", env={"PYTHON": str(fake)}, check=False)
+    assert proc.returncode == 3
+    argv = (tmp_path / "argv").read_text().split()
+    assert argv == ["-m", "mhar_titan.eval", str(pair_dir), "--watch", "--device", "cuda", "--dtype", "bf16", "--tasks",
+                    "mhar_tiny_cloze"]  # fmt: skip

@@ -32,8 +32,9 @@ def routed_tiny_model(seq: int, num_blocks: int, backend: str, device: str) -> M
     return model
 
 
-def write_tiny_run(run, base, mhar: MHAR, seed: int, step: int) -> None:
-    """The tiny flavor at `step`; with MHAR, open gates and non-trivial routing (random routing parameters)."""
+def write_tiny_run(run, base, mhar: MHAR, seed: int, step: int, record: bool = True) -> None:
+    """The tiny flavor at `step`; with MHAR, open gates and non-trivial routing (random routing parameters).
+    `record=False` adds the checkpoint to a run folder that has its model_args.json (a reader may be at it)."""
     args = dataclasses.replace(FLAVORS["tiny"], mhar=mhar)
     torch.manual_seed(seed)
     model = build_initialised(args)
@@ -44,7 +45,9 @@ def write_tiny_run(run, base, mhar: MHAR, seed: int, step: int) -> None:
     state = dict(model.state_dict())
     state.update({f"ema.{n}": p.detach() * 0.5 for n, p in model.named_parameters()})
     dcp.save(state, checkpoint_id=str(run / "checkpoint" / f"step-{step}"), no_dist=True)
-    (run / "model_args.json").write_text(json.dumps({"hf_assets_path": str(base), "args": dataclasses.asdict(args)}))
+    if record:
+        info = {"hf_assets_path": str(base), "args": dataclasses.asdict(args)}
+        (run / "model_args.json").write_text(json.dumps(info))
 
 
 def write_tiny_pair(root, step: int) -> None:

@@ -11,6 +11,9 @@ TensorBoard (`<pair>/eval`: `eval/<weights>/<task>/<metric>/{control,mhar,delta}
     python -m mhar_titan.eval runs/<pair> --tasks mhar_tiny_cloze [--step N] [--weights raw,ema] [--limit N]
     python -m mhar_titan.eval runs/<pair> --tasks hellaswag,arc_easy,piqa --device cuda --dtype bf16
 
+This module evaluates one step (the command's default form; cli.py parses the command line); watch.py
+evaluates every kept step as the pair runs, through the same export, harness and pairing.
+
 Offline: HF_DATASETS_OFFLINE is set (by __main__.py, before datasets is imported), so standard tasks need
 their datasets in the HF cache. Every task is resolved and its dataset loaded before anything is exported
 (harness.py): an unknown task, or a dataset not cached, is refused in one line (exit 2) with nothing exported.
@@ -25,25 +28,25 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import shutil
 import statistics
-import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from torch.utils.tensorboard import SummaryWriter
 
 from mhar_titan.compare.stats import paired_ci
+from mhar_titan.components.atomic import write_text
 from mhar_titan.components.checkpoint import complete_steps
-from mhar_titan.eval.harness import TaskRefused, Tasks, load_tasks, one_line, run_harness
+from mhar_titan.eval.harness import Tasks, load_tasks, one_line, run_harness
+from mhar_titan.eval.steps import ARMS, read_arm
+from mhar_titan.eval.suites import requested
 from mhar_titan.eval.tasks import write_task
 from mhar_titan.hf.files import DTYPES
 from mhar_titan.hf.run import export_run, run_model_args
 
-ARMS = ("control", "mhar")
 REPORT_START, REPORT_END = "<!-- eval: start -->", "<!-- eval: end -->"
 
 
@@ -83,39 +86,56 @@ class Interrupted(KeyboardInterrupt):
     """Ctrl-C during an evaluation, naming where (still a KeyboardInterrupt for callers)."""
 
 
+@contextlib.contextmanager
+def exported(
+    pair: Path, arm: str, step: int, weights: str, folder: Path, dtype: str, keep: bool = False
+) -> Iterator[Path]:
+    """The arm's `weights` at `step` exported to the scratch `folder` for the body of the `with`; the folder is
+    removed whatever happens (an error, Ctrl-C, a stop signal raised as an exception), kept only with `keep`
+    after a body that finished."""
+    done = False
+    try:
+        export_arm(pair, arm, step, weights == "ema", folder, dtype)
+        yield folder
+        done = True
+    finally:
+        if not (done and keep):
+            shutil.rmtree(folder, ignore_errors=True)
+            with contextlib.suppress(OSError):  # its parent too, if that left it empty
+                folder.parent.rmdir()
+
+
 def evaluate_arm(pair: Path, arm: str, step: int, weights: str, tasks: Tasks, args: argparse.Namespace) -> dict:
     """One arm exported to its scratch folder and run through lm-eval; the folder is removed whatever happens
     (an error, Ctrl-C), kept only with --keep-exports and a finished evaluation."""
     folder = pair / "eval" / f"{arm}-{weights}-step-{step}"
-    done = False
-    try:
-        export_arm(pair, arm, step, weights == "ema", folder, args.dtype)
-        scores = run_harness(folder, tasks, args)
-        done = True
-        return scores
-    finally:
-        if not (done and args.keep_exports):
-            shutil.rmtree(folder, ignore_errors=True)
-            with contextlib.suppress(OSError):  # <pair>/eval too, if that left it empty
-                folder.parent.rmdir()
+    with exported(pair, arm, step, weights, folder, args.dtype, args.keep_exports):
+        return run_harness(folder, tasks, args)
 
 
 def paired_rows(control: dict[str, Any], mhar: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per task and metric: both arms' scores and stderrs, the delta with its paired stderr and CI."""
+    """One row per task and metric: both arms' scores and stderrs, the delta with its paired stderr and CI.
+
+    Documents pair by task, doc_id and lm-eval filter (gsm8k scores each document under two filters); a group's
+    are its members' (lm-eval's group_subtasks). The paired stderr and CI are given where the metric is the mean
+    of its per-document values (the delta equals the mean paired difference), not for a corpus-level metric or a
+    group averaged over its members unweighted.
+    """
     rows = []
     for task in sorted(control["results"]):
         c_res, m_res = control["results"][task], mhar["results"].get(task, {})
-        c_docs = {s["doc_id"]: s for s in control["samples"].get(task, [])}
-        m_docs = {s["doc_id"]: s for s in mhar["samples"].get(task, [])}
-        if c_docs.keys() != m_docs.keys():
+        c_docs, m_docs = _documents(control, task), _documents(mhar, task)
+        if c_docs.keys() != m_docs.keys() or any(
+            c_docs[k].get("doc_hash") != m_docs[k].get("doc_hash") for k in c_docs
+        ):
             raise ValueError(f"{task}: the arms were evaluated on different documents")
         for key, value in sorted(c_res.items()):
             if not isinstance(value, (int, float)) or "_stderr" in key or "," not in key or key not in m_res:
                 continue
-            metric = key.split(",")[0]
-            diffs = [float(m_docs[d][metric]) - float(c_docs[d][metric]) for d in sorted(c_docs) if metric in c_docs[d]]
-            ci = paired_ci(diffs) if len(diffs) > 1 else None
             stderr_key = key.replace(",", "_stderr,", 1)
+            delta = float(m_res[key]) - float(value)
+            diffs = _differences(c_docs, m_docs, key, delta)
+            ci = paired_ci(diffs) if len(diffs) > 1 else None
             rows.append(
                 {
                     "task": task,
@@ -124,7 +144,7 @@ def paired_rows(control: dict[str, Any], mhar: dict[str, Any]) -> list[dict[str,
                     "control_stderr": _num(c_res.get(stderr_key)),
                     "mhar": float(m_res[key]),
                     "mhar_stderr": _num(m_res.get(stderr_key)),
-                    "delta": float(m_res[key]) - float(value),
+                    "delta": delta,
                     "delta_stderr": statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None,
                     "delta_ci": [ci["low"], ci["high"]] if ci else None,
                     "n": len(diffs),
@@ -133,12 +153,43 @@ def paired_rows(control: dict[str, Any], mhar: dict[str, Any]) -> list[dict[str,
     return rows
 
 
+def _documents(scores: dict[str, Any], task: str) -> dict[tuple, dict[str, Any]]:
+    """{(task, doc_id, filter): sample} of `task`'s documents; a group's pooled from its members, recursively."""
+    out = {}
+    for member in _members(scores.get("group_subtasks") or {}, task, set()):
+        for sample in scores["samples"].get(member, []):
+            out[(member, sample["doc_id"], sample.get("filter", "none"))] = sample
+    return out
+
+
+def _members(groups: dict[str, list[str]], task: str, seen: set[str]) -> list[str]:
+    if not groups.get(task) or task in seen:
+        return [task]
+    seen.add(task)
+    return [leaf for sub in groups[task] for leaf in _members(groups, sub, seen)]
+
+
+def _differences(c_docs: dict[tuple, dict], m_docs: dict[tuple, dict], key: str, delta: float) -> list[float]:
+    """The per-document MHAR - control values of metric `key` ("metric,filter"), or [] when their mean is not the
+    delta (a corpus-level metric, an unweighted group mean): no paired CI is better than a wrong one."""
+    metric, kept = key.split(",", 1)
+    diffs = []
+    for k in sorted(c_docs):
+        c, m = c_docs[k].get(metric), m_docs[k].get(metric)
+        if k[2] == kept and isinstance(c, (int, float)) and isinstance(m, (int, float)):
+            diffs.append(float(m) - float(c))
+    if not diffs or not math.isclose(statistics.fmean(diffs), delta, rel_tol=1e-9, abs_tol=1e-9):
+        return []
+    return diffs
+
+
 def _num(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
-def _f(x: float | None, fmt: str = ".4f") -> str:
-    return "-" if x is None else format(x, fmt)
+def fmt(x: float | None, spec: str = ".4f") -> str:
+    """A table cell: the number, or - for none."""
+    return "-" if x is None else format(x, spec)
 
 
 def table(results: dict[str, list[dict[str, Any]]], step: int, tasks: list[str]) -> str:
@@ -163,8 +214,8 @@ def table_rows(results: dict[str, list[dict[str, Any]]]) -> list[str]:
             ci = f"[{r['delta_ci'][0]:+.4f}, {r['delta_ci'][1]:+.4f}]" if r["delta_ci"] else "-"
             metric = r["metric"].removesuffix(",none")  # lm-eval's default filter
             lines.append(
-                f"| {r['task']} | {metric} | {_f(r['control'])} ± {_f(r['control_stderr'])} | "
-                f"{_f(r['mhar'])} ± {_f(r['mhar_stderr'])} | {r['delta']:+.4f} | {_f(r['delta_stderr'])} | {ci} | "
+                f"| {r['task']} | {metric} | {fmt(r['control'])} ± {fmt(r['control_stderr'])} | "
+                f"{fmt(r['mhar'])} ± {fmt(r['mhar_stderr'])} | {r['delta']:+.4f} | {fmt(r['delta_stderr'])} | {ci} | "
                 f"{r['n']} |"
             )
         lines.append("")
@@ -174,45 +225,64 @@ def table_rows(results: dict[str, list[dict[str, Any]]]) -> list[str]:
 def write_outputs(pair: Path, out: Path, step: int, tasks: list[str], results: dict[str, list[dict]]) -> str:
     """eval.json, eval.md, the report's section (replaced, not appended twice) and the TensorBoard run."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps({"step": step, "tasks": tasks, "results": results}, indent=2))
+    write_text(out / "eval.json", json.dumps({"step": step, "tasks": tasks, "results": results}, indent=2))
     text = table(results, step, tasks)
-    (out / "eval.md").write_text(text)
+    write_section(out, text)
+    write_scalars(pair / "eval", {step: results})
+    return text
+
+
+def write_section(out: Path, text: str) -> None:
+    """eval.md (which `python -m mhar_titan.compare` appends to the report it rewrites) and the report's
+    Evaluation section between REPORT_START and REPORT_END, replaced where it is, never appended twice."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / "eval.md", text)
     report = out / "report.md"
     old = report.read_text() if report.exists() else ""
     if REPORT_START in old and REPORT_END in old:
         old = old[: old.index(REPORT_START)] + old[old.index(REPORT_END) + len(REPORT_END) :].lstrip("\n")
-    report.write_text(old.rstrip("\n") + ("\n\n" if old.strip() else "") + text)
-    writer = SummaryWriter(str(pair / "eval"))
-    for weights, rows in results.items():
-        for r in rows:
-            tag = f"eval/{weights}/{r['task']}/{r['metric'].replace(',', '_')}"
-            for arm in ("control", "mhar", "delta"):
-                writer.add_scalar(f"{tag}/{arm}", r[arm], step)
+    write_text(report, old.rstrip("\n") + ("\n\n" if old.strip() else "") + text)
+
+
+def write_scalars(folder: Path, by_step: dict[int, dict[str, list[dict[str, Any]]]]) -> None:
+    """The paired rows as TensorBoard scalars at their steps: eval/<weights>/<task>/<metric>/{control,mhar,delta}."""
+    writer = SummaryWriter(str(folder))
+    for step, results in sorted(by_step.items()):
+        for weights, rows in results.items():
+            for r in rows:
+                tag = f"eval/{weights}/{r['task']}/{r['metric'].replace(',', '_')}"
+                for arm in ("control", "mhar", "delta"):
+                    writer.add_scalar(f"{tag}/{arm}", r[arm], step)
     writer.close()
-    return text
 
 
 def evaluate_pair(pair: Path, args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     """Both arms on the same tasks, paired; every refusal (run folders, step, weights, tasks and their datasets)
     comes before the first export, and a later failure names the arm, weights, step and tasks."""
     for arm in ARMS:
-        if not (pair / arm / "model_args.json").is_file():
-            raise ValueError(
-                f"{pair / arm}: not a run of train_cpt.py (no model_args.json); expected {pair}/{{control,mhar}}"
-            )
+        read_arm(pair, arm)
+    confirm = getattr(args, "confirm_run_unsafe_code", False)
+    request = requested(getattr(args, "tasks", None), getattr(args, "suite", None), args.num_fewshot, confirm)
+    every_weights = weights_of(args.weights)
     step = common_step(pair, args.step)
-    tasks = [t for t in args.tasks.split(",") if t]
-    every_weights = [w for w in args.weights.split(",") if w]
-    if not every_weights or any(w not in ("raw", "ema") for w in every_weights):
-        raise ValueError(f"--weights {args.weights!r}: expected raw, ema or raw,ema")
     left = "" if args.keep_exports else f" (scratch exports removed from {pair / 'eval'})"
 
     def score(arm: str, weights: str, built: Tasks) -> dict[str, Any]:
         return evaluate_arm(pair, arm, step, weights, built, args)
 
-    results = evaluate_models(tasks, every_weights, step, score, doing="export and ", left=left)
-    print(write_outputs(pair, Path(args.out) if args.out else pair / "compare", step, tasks, results))
+    results = evaluate_models(
+        request.names, every_weights, step, score, "export and ", left, request.shots, confirm_unsafe=confirm
+    )
+    print(write_outputs(pair, Path(args.out) if args.out else pair / "compare", step, request.names, results))
     return results
+
+
+def weights_of(text: str) -> list[str]:
+    """--weights as a list: raw, ema or both."""
+    every_weights = [w for w in text.split(",") if w]
+    if not every_weights or any(w not in ("raw", "ema") for w in every_weights):
+        raise ValueError(f"--weights {text!r}: expected raw, ema or raw,ema")
+    return every_weights
 
 
 def evaluate_models(
@@ -222,14 +292,17 @@ def evaluate_models(
     score: Callable[[str, str, Tasks], dict[str, Any]],
     doing: str = "",
     left: str = "",
+    shots: dict[str, int] | None = None,
+    confirm_unsafe: bool = False,
 ) -> dict[str, list[dict[str, Any]]]:
     """Every arm with every weights scored by `score(arm, weights, built_tasks)` (an export and lm-eval, or lm-eval
     on a folder already exported) on the same tasks, built once before the first score; paired per weights.
-    A failure names the arm, weights, step and tasks (and `left`: what was cleaned up)."""
+    A failure names the arm, weights, step and tasks (and `left`: what was cleaned up). `shots`: a suite's."""
     # Our task's files live for this call only (lm-eval reads them when it builds the task, below), so a
     # refused command leaves nothing behind.
     with tempfile.TemporaryDirectory(prefix="mhar_titan_eval_tasks_") as task_dir:
-        built = load_tasks(tasks, write_task(Path(task_dir)))  # before any export: an 8B export takes minutes
+        # before any export: an 8B export takes minutes
+        built = load_tasks(tasks, write_task(Path(task_dir)), shots, confirm_unsafe)
         results = {}
         for weights in every_weights:
             scores = {}
@@ -244,37 +317,3 @@ def evaluate_models(
                     raise Interrupted(f"{where}: interrupted") from e
             results[weights] = paired_rows(scores["control"], scores["mhar"])
     return results
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m mhar_titan.eval", description=__doc__.split("\n\n")[0].replace("\n", " ")
-    )
-    parser.add_argument("pair", help="the pair's folder: runs/NAME with control/ and mhar/")
-    parser.add_argument("--tasks", required=True, help="comma-separated lm-eval tasks (mhar_tiny_cloze: offline demo)")
-    parser.add_argument("--step", type=int, default=None, help="default: the newest step both arms have")
-    parser.add_argument("--weights", default="raw,ema", help="raw, ema or raw,ema")
-    parser.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
-    parser.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
-    parser.add_argument("--batch-size", default="8", help="lm-eval batch size: a number or auto (default 8)")
-    parser.add_argument("--device", default="cpu", help="where the exported models run: cpu, cuda (default cpu)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="the models' dtype")
-    parser.add_argument("--out", default=None, help="default: <pair>/compare")
-    parser.add_argument(
-        "--keep-exports",
-        action="store_true",
-        help="keep <pair>/eval/<arm>-<weights>-step-N once evaluated (removed otherwise, also on errors)",
-    )
-    args = parser.parse_args(argv)
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # for what imports datasets later (__main__.py sets it first)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        evaluate_pair(Path(args.pair), args)
-    except TaskRefused as e:  # nothing exported: as a usage error
-        print(f"python -m mhar_titan.eval: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (ValueError, FileNotFoundError, EvalFailed) as e:
-        sys.exit(f"python -m mhar_titan.eval: {e}")
-    except KeyboardInterrupt as e:
-        print(f"python -m mhar_titan.eval: {e or 'interrupted'}", file=sys.stderr)
-        sys.exit(130)
