@@ -11,6 +11,10 @@ import sys
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from mhar_titan.third_party import quiet_imports  # noqa: E402  (after the environment is set)
+
+quiet_imports()  # before cli.py's imports load transformers (and torchao with it)
+
 from mhar_titan.eval.cli import main  # noqa: E402  (after the environment is set)
 
 if __name__ == "__main__":
