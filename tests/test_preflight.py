@@ -31,7 +31,8 @@ def rows(stdout: str) -> dict[str, tuple[str, str]]:
 @pytest.fixture(scope="module")
 def full(tmp_path_factory):
     out = tmp_path_factory.mktemp("preflight")
-    done = preflight(out, "--limit", "8", "--checkpoints", str(out / "scratch"))
+    # 16 steps an arm (a checkpoint at 8, the kill after 12): the default's 40 run the same code, at thrice the time
+    done = preflight(out, "--limit", "8", "--steps", "16", "--checkpoints", str(out / "scratch"))
     (report,) = out.glob("*/report.md")
     return done, report.parent
 
@@ -54,11 +55,11 @@ def test_the_mhar_arm_was_killed_and_resumed_as_a_user_would_see_it(full):
     killed = (root / "logs" / "mhar-killed.log").read_text()
     resumed = (root / "logs" / "mhar-resumed.log").read_text()
     assert "Training starts at step 1\n" in killed
-    assert "resumes from its checkpoint" in resumed and "(step 20)" in resumed
-    assert "Training starts at step 21" in resumed and "step 40/40" in resumed
+    assert "resumes from its checkpoint" in resumed and "(step 8)" in resumed
+    assert "Training starts at step 9" in resumed and "step 16/16" in resumed
     control = (root / "logs" / "control-uninterrupted.log").read_text()  # the default --kill mhar
-    assert "Training starts at step 1\n" in control and "step 40/40" in control and "resumes" not in control
-    assert "mhar steps 21-30 bitwise" in rows(done.stdout)["d"][1] and "control uninterrupted" in done.stdout
+    assert "Training starts at step 1\n" in control and "step 16/16" in control and "resumes" not in control
+    assert "mhar steps 9-12 bitwise" in rows(done.stdout)["d"][1] and "control uninterrupted" in done.stdout
     for arm in ("control", "mhar"):
         assert not (root / "pair" / arm / "checkpoint").exists()  # scratch removed afterwards
         assert not (root.parent / "scratch" / f"{root.name}-{arm}").exists()  # --checkpoints: there, and removed
