@@ -19,14 +19,15 @@ with gradients, the last input gradients). It is printed for the control arm (th
 - FSDP (more than one rank): each block's gathered bf16 parameters (the current and the
   prefetched one), and in the backward its unsharded gradient and fp32 reduce-scatter input;
   the embedding's at the end of the backward.
-- float8 (`[model] converters = ["quantize.linear.float8"]`): torchao's Float8Linear keeps the same
-  high-precision input for its backward as a bf16 linear, so `full` and `none` count as in bf16; under
-  `selective` the linear layers' products are `_scaled_mm`, which torchtitan's op-level policy does not
-  save (it names `mm`), so a block keeps its input and the attention's output only. The fp8 casts of one
-  matmul's operands are transient and not counted.
-Checked on one GPU at 8 and 16 layers of the 8B width, both arms, every mode (tests/test_plan.py
-holds the measured peaks); the FSDP terms are the same accounting, not yet measured on 8 GPUs; the
-float8 terms follow from torchao's and torchtitan's code, not yet measured.
+- float8 (`[model] converters = ["quantize.linear.float8"]`, measured on one H200 at 8 and 16 layers,
+  docs/performance.md, 2026-12-04): `full` and `selective` keep what they keep in bf16 (the same peaks and
+  the same memory after the forward); `none` keeps 2 (d + 2 kv + 3 hidden) bytes a token and layer fewer, the
+  size of the five input matmuls' bf16 outputs (q, k, v, w1, w3) and the MLP's product: 0.75 GiB a layer at
+  8,192 tokens, at both depths (the control) and in both arms (8 layers). Which of the compiled block's
+  saved tensors torchao's float8 matmul and Inductor's partitioner leave out was not traced, only the size.
+Checked on one GPU at 8 and 16 layers of the 8B width: both arms in every mode in bf16, and float8 as above
+(tests/test_plan.py holds the measured peaks); the FSDP terms are the same accounting, not yet measured on 8
+GPUs.
 """
 
 from __future__ import annotations
@@ -139,13 +140,13 @@ def layer_activations(g: Geometry, mode: str) -> float:
     lse = 4 * g.heads  # the attention's log-sum-exp, fp32 per head
     if mode == "full":
         return stream * g.dim  # the block's input, kept by the checkpoint
-    if mode == "selective" and g.float8:  # + the attention's output: the policy saves no _scaled_mm
-        return stream * g.dim + 2 * g.dim + lse
     if mode == "selective":  # + wq's, wv's and w1's outputs and the attention's, bf16
         return stream * g.dim + 2 * (2 * g.dim + g.kv_dim + g.hidden) + lse
     if mode == "none":
         # x, the two norm outputs, q, k, v, the attention's output, a, h, w1, w3 and their product
         per = 2 * stream * g.dim + 2 * norm_out * g.dim + 2 * (3 * g.dim + 2 * g.kv_dim + 3 * g.hidden)
+        if g.float8:  # measured: the size of q, k, v, w1's and w3's outputs and their product, not kept
+            per -= 2 * (g.dim + 2 * g.kv_dim + 3 * g.hidden)
         return per + lse
     raise ValueError(f"activation_checkpoint mode {mode!r}: expected one of {', '.join(MODES)}")
 

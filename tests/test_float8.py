@@ -93,15 +93,15 @@ def test_converters_other_than_float8_or_without_torchao_are_refused_before_any_
 
 
 @pytest.mark.parametrize("gpus", [1, 8])
-def test_the_plan_under_float8_keeps_less_only_under_selective_ac(gpus):
+def test_the_plan_under_float8_keeps_less_only_without_activation_checkpointing(gpus):
     bench = ["--model.flavor", "marin8b_16l", "--training.seq_len", "4096", "--training.local_batch_size", "2"]
     for mhar in (False, True):
         plain = geometry(parse_config(["--job.config_file", TINY, *bench]), gpus, mhar)
         f8 = geometry(parse_config(["--job.config_file", TINY, *bench, *FLOAT8]), gpus, mhar)
         assert f8.float8 and not plain.float8
-        for mode in ("full", "none"):  # Float8Linear keeps the same high-precision input as a bf16 linear
+        for mode in ("full", "selective"):  # measured on one H200: the same memory as bf16
             assert estimate(f8, mode)["moments"] == estimate(plain, mode)["moments"]
-        kept = {g: estimate(g, "selective")["moments"]["backward start"]["blocks"] for g in (plain, f8)}
-        # op-level selective AC saves mm outputs (wq, wv, w1: bf16); float8's matmuls are _scaled_mm, not saved
-        dropped = f8.layers * f8.tokens * 2 * (f8.dim + f8.kv_dim + f8.hidden)
+        kept = {g: estimate(g, "none")["moments"]["backward start"]["blocks"] for g in (plain, f8)}
+        # measured: the size of q, k, v, w1's and w3's bf16 outputs and the MLP's product, a token and layer
+        dropped = f8.layers * f8.tokens * 2 * (f8.dim + 2 * f8.kv_dim + 3 * f8.hidden)
         assert kept[plain] - kept[f8] == dropped

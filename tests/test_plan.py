@@ -25,7 +25,18 @@ MEASURED = {
     ("marin8b_8l", "control", "none"): (59.06, 57.10),
     ("marin8b_8l", "mhar", "none"): (60.56, 58.61),
 }
+# float8 (torchtitan's converter, rowwise, the output in bf16), 2026-12-04: `make bench-step`'s geometry with
+# --float8 (the control), and benchmarks.float8_parity's jobs without the EMA (the marin8b configs, 8 layers, mode none)
+MEASURED_FLOAT8 = {
+    ("marin8b_8l", "control", "none", True): (53.06, 51.11),
+    ("marin8b_8l", "control", "selective", True): (52.40, 48.73),
+    ("marin8b_8l", "control", "full", True): (52.40, 45.85),
+    ("marin8b_16l", "control", "none", True): (85.32, 83.36),
+    ("marin8b_8l", "control", "none", False): (42.65, None),
+    ("marin8b_8l", "mhar", "none", False): (44.17, None),
+}
 BENCH = ["--training.seq_len", "4096", "--training.local_batch_size", "2", "--mhar.num_blocks", "8"]
+FLOAT8 = ["--model.converters", "quantize.linear.float8"]
 
 
 @pytest.mark.parametrize("flavor,arm,mode", list(MEASURED))
@@ -37,6 +48,21 @@ def test_plan_is_within_5_percent_of_the_measured_peak_and_forward(flavor, arm, 
     start = e["moments"]["backward start"]  # the forward's end is the backward's start before the logits' gradient
     got = (sum(start.values()) - start["logit grads"]) / GIB
     assert abs(got - forward) <= 0.05 * forward, (got, forward)
+
+
+@pytest.mark.parametrize("flavor,arm,mode,ema", list(MEASURED_FLOAT8))
+def test_plan_under_float8_is_within_5_percent_of_the_measured_peak_and_forward(flavor, arm, mode, ema):
+    cfg = parse_config(
+        ["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--model.flavor", flavor, *BENCH, *FLOAT8]
+        + ([] if ema else ["--ema.no-enable"])
+    )
+    e = estimate(geometry(cfg, gpus=1, mhar=arm == "mhar"), mode)
+    peak, forward = MEASURED_FLOAT8[flavor, arm, mode, ema]
+    assert abs(e["peak"] / GIB - peak) <= 0.05 * peak, (e["peak"] / GIB, peak)
+    if forward is not None:
+        start = e["moments"]["backward start"]
+        got = (sum(start.values()) - start["logit grads"]) / GIB
+        assert abs(got - forward) <= 0.05 * forward, (got, forward)
 
 
 def test_the_marin8b_configs_run_the_mode_the_plan_recommends_for_8_h100s(capsys):
