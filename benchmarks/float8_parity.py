@@ -10,7 +10,7 @@ ROOT/<arm>-<precision>. The base is loaded and
 nothing is saved (`--checkpoint.load_only`), validation is off, every step is logged; the global batch is one
 microbatch a rank. Other `--section.key value` arguments go to all four (e.g. `--data.paths`,
 `--model.hf_assets_path` is --base). `--parallel 2` runs two jobs at a time when the GPUs hold both: their losses
-are what they would be alone, their speed is not.
+are what they would be alone, their speed is not (the report says so).
 
 `report` writes ROOT/float8_parity.{md,json,png}: per arm, float8 - bf16 training loss step by step, its mean
 and mean |.| by quarter and a paired 95% CI over the last quarter, set against the bf16 run's batch noise (the
@@ -50,6 +50,7 @@ FLOAT8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.flo
 EMULATED = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate",
             "--quantize.linear.float8.filter_fqns", "output"]  # fmt: skip
 MEMORY_TAG = "memory/peak_active_gib_max"
+RUN_FILE = "float8_parity_run.json"  # how `run` ran the jobs
 
 
 def job(root: Path, arm: str, precision: str, args: argparse.Namespace, extra: list[str]) -> list[str]:
@@ -74,6 +75,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> None:
     if not (Path(args.base) / "config.json").is_file():
         raise SystemExit(f"{sys.argv[0]}: --base {args.base}: no config.json there (an HF checkpoint folder)")
     root.mkdir(parents=True, exist_ok=True)
+    settings = {"steps": args.steps, "nproc": args.nproc, "parallel": args.parallel, "emulate": args.emulate,
+                "control": args.control, "mhar": args.mhar, "base": args.base, "overrides": extra}  # fmt: skip
+    write_text(root / RUN_FILE, json.dumps(settings, indent=2) + "\n")  # `report` reads how the jobs shared GPUs
     queue = [(a, p) for a in ARMS for p in PRECISIONS]
     running: list[tuple[str, subprocess.Popen, float]] = []
     failed = []
@@ -122,7 +126,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     for (a, p), scalars in runs.items():
         if LOSS_TAG not in scalars:
             raise SystemExit(f"float8_parity: no {LOSS_TAG!r} under {root / f'{a}-{p}' / 'tb'}")
-    result: dict[str, Any] = {"root": str(root), "arms": {}, "start": {}, "speed": {}, "memory": {}}
+    ran = json.loads((root / RUN_FILE).read_text()) if (root / RUN_FILE).is_file() else {}
+    result: dict[str, Any] = {"root": str(root), "run": ran, "arms": {}, "start": {}, "speed": {}, "memory": {}}
     for arm in ARMS:
         result["arms"][arm] = arm_figures(runs[arm, "bf16"][LOSS_TAG], runs[arm, "float8"][LOSS_TAG])
     for p in PRECISIONS:
@@ -164,6 +169,11 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"- step {s['step']}, {p}: control {s['control']:.6f}, MHAR {s['mhar']:.6f} "
                      f"({_f(s['relative'])} relative)")  # fmt: skip
     speed = ", ".join(f"{k} {_f(v, ',.0f')}" for k, v in r["speed"].items())
+    parallel = r.get("run", {}).get("parallel")
+    if parallel is None:
+        speed += f" (how the jobs shared the GPUs is unknown: no {RUN_FILE})"
+    elif parallel > 1:
+        speed += f" ({parallel} jobs at a time shared the GPUs: not a job's own speed, no float8/bf16 ratio)"
     memory = ", ".join(f"{k} {_f(v, '.1f')}" for k, v in r["memory"].items())
     lines += [f"- tokens/s per device (median past warm-up): {speed}", f"- peak active memory, GiB: {memory}", ""]
     return "\n".join(lines)

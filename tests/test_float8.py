@@ -51,7 +51,9 @@ def test_the_mhar_arm_at_init_computes_the_control_under_float8_and_float8_chang
         assert a["steps"] == list(range(1, 9)) and a["noise"] > 0 and len(a["quarters"]) == 4
         assert any(d != 0 for d in a["deltas"])
     assert (root / "float8_parity.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| mhar | 4 | 7-8 |" in (root / "float8_parity.md").read_text()
+    report = (root / "float8_parity.md").read_text()
+    assert "| mhar | 4 | 7-8 |" in report
+    assert result["run"]["parallel"] == 2 and "2 jobs at a time shared the GPUs: not a job's own speed" in report
 
 
 def test_a_float8_job_logs_its_mfu_as_bf16_equivalent_and_records_its_precision(parity):
