@@ -39,30 +39,27 @@ BENCH = ["--training.seq_len", "4096", "--training.local_batch_size", "2", "--mh
 FLOAT8 = ["--model.converters", "quantize.linear.float8"]
 
 
+def assert_plan_within_5_percent(flavor, arm, mode, extra, peak, forward):
+    cfg = parse_config(
+        ["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--model.flavor", flavor, *BENCH, *extra]
+    )
+    e = estimate(geometry(cfg, gpus=1, mhar=arm == "mhar"), mode)
+    assert abs(e["peak"] / GIB - peak) <= 0.05 * peak, (e["peak"] / GIB, peak)
+    if forward is not None:  # the forward's end is the backward's start before the logits' gradient
+        start = e["moments"]["backward start"]
+        got = (sum(start.values()) - start["logit grads"]) / GIB
+        assert abs(got - forward) <= 0.05 * forward, (got, forward)
+
+
 @pytest.mark.parametrize("flavor,arm,mode", list(MEASURED))
 def test_plan_is_within_5_percent_of_the_measured_peak_and_forward(flavor, arm, mode):
-    cfg = parse_config(["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--model.flavor", flavor, *BENCH])
-    e = estimate(geometry(cfg, gpus=1, mhar=arm == "mhar"), mode)
-    peak, forward = MEASURED[flavor, arm, mode]
-    assert abs(e["peak"] / GIB - peak) <= 0.05 * peak, (e["peak"] / GIB, peak)
-    start = e["moments"]["backward start"]  # the forward's end is the backward's start before the logits' gradient
-    got = (sum(start.values()) - start["logit grads"]) / GIB
-    assert abs(got - forward) <= 0.05 * forward, (got, forward)
+    assert_plan_within_5_percent(flavor, arm, mode, [], *MEASURED[flavor, arm, mode])
 
 
 @pytest.mark.parametrize("flavor,arm,mode,ema", list(MEASURED_FLOAT8))
 def test_plan_under_float8_is_within_5_percent_of_the_measured_peak_and_forward(flavor, arm, mode, ema):
-    cfg = parse_config(
-        ["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--model.flavor", flavor, *BENCH, *FLOAT8]
-        + ([] if ema else ["--ema.no-enable"])
-    )
-    e = estimate(geometry(cfg, gpus=1, mhar=arm == "mhar"), mode)
-    peak, forward = MEASURED_FLOAT8[flavor, arm, mode, ema]
-    assert abs(e["peak"] / GIB - peak) <= 0.05 * peak, (e["peak"] / GIB, peak)
-    if forward is not None:
-        start = e["moments"]["backward start"]
-        got = (sum(start.values()) - start["logit grads"]) / GIB
-        assert abs(got - forward) <= 0.05 * forward, (got, forward)
+    extra = FLOAT8 + ([] if ema else ["--ema.no-enable"])
+    assert_plan_within_5_percent(flavor, arm, mode, extra, *MEASURED_FLOAT8[flavor, arm, mode, ema])
 
 
 def test_the_marin8b_configs_run_the_mode_the_plan_recommends_for_8_h100s(capsys):
