@@ -122,6 +122,12 @@ def arm_figures(bf16: dict[int, float], fp8: dict[int, float]) -> dict[str, Any]
 
 def report(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.root)
+    names = [f"{a}-{p}" for a in ARMS for p in PRECISIONS]
+    missing = [n for n in names if not any((root / n / "tb").rglob("events.out.tfevents.*"))]
+    if missing:
+        raise SystemExit(
+            f"float8_parity: {root}: no TensorBoard log of {', '.join(missing)} (give the ROOT `run` wrote)"
+        )
     runs = {(a, p): load_scalars(root / f"{a}-{p}" / "tb") for a in ARMS for p in PRECISIONS}
     for (a, p), scalars in runs.items():
         if LOSS_TAG not in scalars:

@@ -107,3 +107,13 @@ def test_the_plan_under_float8_keeps_less_only_without_activation_checkpointing(
         # measured: the size of q, k, v, w1's and w3's bf16 outputs and the MLP's product, a token and layer
         dropped = f8.layers * f8.tokens * 2 * (f8.dim + 2 * f8.kv_dim + 3 * f8.hidden)
         assert kept[plain] - kept[f8] == dropped
+
+
+def test_the_report_of_a_folder_without_the_four_runs_is_one_line(tmp_path):
+    (tmp_path / "control-bf16" / "tb").mkdir(parents=True)
+    cmd = [sys.executable, "-m", "benchmarks.float8_parity", "report", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"float8_parity: {tmp_path}: no TensorBoard log of control-bf16, control-float8, mhar-bf16, mhar-float8 "
+        "(give the ROOT `run` wrote)"
+    ], proc.stderr
