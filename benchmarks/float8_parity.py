@@ -1,21 +1,25 @@
 """float8 against bf16 on both arms of the pair: the loss difference against the batch noise, with a plot.
 
-    python -m benchmarks.float8_parity run ROOT --base BASE [--steps 300] [--parallel 2] [--section.key value ...]
+    python -m benchmarks.float8_parity run ROOT --base BASE [--steps 300] [--parallel 2] [--repeat-bf16]
+                                           [--section.key value ...]
     python -m benchmarks.float8_parity report ROOT
 
-`run` trains four jobs from one HF base on the same data, through launch/torchrun.sh on this node's GPUs: each
-arm (configs/marin8b_control.toml, configs/marin8b_mhar.toml, or --control and --mhar) in bf16 and with
-torchtitan's float8 converter (`FLOAT8`: the rowwise recipe, the output layer left in bf16), as
-ROOT/<arm>-<precision>. The base is loaded and
-nothing is saved (`--checkpoint.load_only`), validation is off, every step is logged; the global batch is one
-microbatch a rank. Other `--section.key value` arguments go to all four (e.g. `--data.paths`,
-`--model.hf_assets_path` is --base). `--parallel 2` runs two jobs at a time when the GPUs hold both: their losses
-are what they would be alone, their speed is not (the report says so).
+`run` trains four jobs (six with `--repeat-bf16`) from one HF base on the same data, through launch/torchrun.sh on
+this node's GPUs: each arm (configs/marin8b_control.toml, configs/marin8b_mhar.toml, or --control and --mhar) in
+bf16 and with torchtitan's float8 converter (`FLOAT8`: the rowwise recipe, the output layer left in bf16), as
+ROOT/<arm>-<precision>. The base is loaded and nothing is saved (`--checkpoint.load_only`), validation is off,
+every step is logged; the global batch is one microbatch a rank. Other `--section.key value` arguments go to
+every job (e.g. `--data.paths`; `--model.hf_assets_path` is --base). `--parallel 2` runs two jobs at a time when
+the GPUs hold both: their losses are what they would be alone, their speed is not (the report says so).
+`--repeat-bf16` trains each arm's bf16 job a second time (ROOT/<arm>-bf16-again): two runs of one job differ only
+where kernels are not repeatable (the attention backward on a GPU), the floor below which float8's difference
+cannot be told from a rerun.
 
 `report` writes ROOT/float8_parity.{md,json,png}: per arm, float8 - bf16 training loss step by step, its mean
 and mean |.| by quarter and a paired 95% CI over the last quarter, set against the bf16 run's batch noise (the
 sd of its step-to-step changes / sqrt 2, as mhar_titan.compare measures it); the arms' step-1 losses in each
-precision (MHAR at init computes the control, float8 or not); tokens/s and peak memory where logged.
+precision (MHAR at init computes the control, float8 or not); tokens/s and peak memory where logged; with the
+repeated bf16 jobs, the same figures for bf16 again - bf16 beside float8's.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from mhar_titan.config import parse_config  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 ARMS = ("control", "mhar")
 PRECISIONS = ("bf16", "float8")
+AGAIN = "bf16-again"  # --repeat-bf16: each arm's bf16 job once more
 FLOAT8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise",
           "--quantize.linear.float8.filter_fqns", "output"]  # fmt: skip
 # Without a GPU of compute capability 8.9 or more, torchtitan converts only to torchao's emulation (the
@@ -53,8 +58,13 @@ MEMORY_TAG = "memory/peak_active_gib_max"
 RUN_FILE = "float8_parity_run.json"  # how `run` ran the jobs
 
 
+def runs_of(repeat: bool) -> list[str]:
+    """The jobs' names (their folders under ROOT), in the order they run."""
+    return [f"{a}-{p}" for a in ARMS for p in (*PRECISIONS, AGAIN)[: 3 if repeat else 2]]
+
+
 def job(root: Path, arm: str, precision: str, args: argparse.Namespace, extra: list[str]) -> list[str]:
-    """One job's launcher command."""
+    """One job's launcher command (`precision`: bf16, float8 or bf16-again)."""
     config, nproc = getattr(args, arm), args.nproc
     local = parse_config(["--job.config_file", str(REPO / config)]).training.local_batch_size
     float8 = EMULATED if args.emulate else FLOAT8
@@ -64,21 +74,22 @@ def job(root: Path, arm: str, precision: str, args: argparse.Namespace, extra: l
            "--checkpoint.load_only", "--training.steps", str(args.steps),
            "--training.global_batch_size", str(local * nproc), "--validation.no-enable",
            "--metrics.log_freq", "1", "--metrics.enable_tensorboard"]  # fmt: skip
-    return cmd + (float8 if precision == "float8" else []) + extra
+    return cmd + (float8 if precision == "float8" else []) + extra  # bf16-again: the bf16 job's command
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> None:
     root = Path(args.root)
-    taken = [str(root / f"{a}-{p}") for a in ARMS for p in PRECISIONS if (root / f"{a}-{p}").exists()]
+    taken = [str(root / n) for n in runs_of(args.repeat_bf16) if (root / n).exists()]
     if taken:
         raise SystemExit(f"{sys.argv[0]}: {', '.join(taken)} already there: give a new ROOT")
     if not (Path(args.base) / "config.json").is_file():
         raise SystemExit(f"{sys.argv[0]}: --base {args.base}: no config.json there (an HF checkpoint folder)")
     root.mkdir(parents=True, exist_ok=True)
     settings = {"steps": args.steps, "nproc": args.nproc, "parallel": args.parallel, "emulate": args.emulate,
-                "control": args.control, "mhar": args.mhar, "base": args.base, "overrides": extra}  # fmt: skip
+                "repeat_bf16": args.repeat_bf16, "control": args.control, "mhar": args.mhar, "base": args.base,
+                "overrides": extra}  # fmt: skip
     write_text(root / RUN_FILE, json.dumps(settings, indent=2) + "\n")  # `report` reads how the jobs shared GPUs
-    queue = [(a, p) for a in ARMS for p in PRECISIONS]
+    queue = [tuple(n.split("-", 1)) for n in runs_of(args.repeat_bf16)]
     running: list[tuple[str, subprocess.Popen, float]] = []
     failed = []
     while queue or running:
@@ -100,8 +111,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> None:
         raise SystemExit(f"float8_parity: {', '.join(failed)} failed: see {root}/<name>.log")
 
 
-def arm_figures(bf16: dict[int, float], fp8: dict[int, float]) -> dict[str, Any]:
-    """float8 - bf16 by step, by quarter and over the last quarter, in units of the bf16 run's batch noise."""
+def arm_figures(bf16: dict[int, float], fp8: dict[int, float], other: str = "float8") -> dict[str, Any]:
+    """float8 (or `other`, such as a second bf16 run) - bf16 by step, by quarter and over the last quarter, in
+    units of the bf16 run's batch noise."""
     steps = sorted(set(bf16) & set(fp8))
     if len(steps) < 8:
         raise ValueError(f"{len(steps)} steps in common: at least 8 are needed")
@@ -117,25 +129,28 @@ def arm_figures(bf16: dict[int, float], fp8: dict[int, float]) -> dict[str, Any]
                          "mean_abs_over_noise": mean_abs / noise if noise else None})  # fmt: skip
     last = deltas[3 * len(steps) // 4 :]
     return {"steps": steps, "deltas": deltas, "noise": noise, "quarters": quarters, "last_quarter_ci": paired_ci(last),
-            "first": {"step": steps[0], "bf16": bf16[steps[0]], "float8": fp8[steps[0]]}}  # fmt: skip
+            "first": {"step": steps[0], "bf16": bf16[steps[0]], other: fp8[steps[0]]}}  # fmt: skip
 
 
 def report(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.root)
-    names = [f"{a}-{p}" for a in ARMS for p in PRECISIONS]
+    ran = json.loads((root / RUN_FILE).read_text()) if (root / RUN_FILE).is_file() else {}
+    names = runs_of(bool(ran.get("repeat_bf16")))
     missing = [n for n in names if not any((root / n / "tb").rglob("events.out.tfevents.*"))]
     if missing:
         raise SystemExit(
             f"float8_parity: {root}: no TensorBoard log of {', '.join(missing)} (give the ROOT `run` wrote)"
         )
-    runs = {(a, p): load_scalars(root / f"{a}-{p}" / "tb") for a in ARMS for p in PRECISIONS}
+    runs = {tuple(n.split("-", 1)): load_scalars(root / n / "tb") for n in names}
     for (a, p), scalars in runs.items():
         if LOSS_TAG not in scalars:
             raise SystemExit(f"float8_parity: no {LOSS_TAG!r} under {root / f'{a}-{p}' / 'tb'}")
-    ran = json.loads((root / RUN_FILE).read_text()) if (root / RUN_FILE).is_file() else {}
-    result: dict[str, Any] = {"root": str(root), "run": ran, "arms": {}, "start": {}, "speed": {}, "memory": {}}
+    result: dict[str, Any] = {"root": str(root), "run": ran, "arms": {}, "floor": {}, "start": {}, "speed": {},
+                              "memory": {}}  # fmt: skip
     for arm in ARMS:
         result["arms"][arm] = arm_figures(runs[arm, "bf16"][LOSS_TAG], runs[arm, "float8"][LOSS_TAG])
+        if (arm, AGAIN) in runs:
+            result["floor"][arm] = arm_figures(runs[arm, "bf16"][LOSS_TAG], runs[arm, AGAIN][LOSS_TAG], AGAIN)
     for p in PRECISIONS:
         c, m = runs["control", p][LOSS_TAG], runs["mhar", p][LOSS_TAG]
         first = min(set(c) & set(m))
@@ -157,20 +172,36 @@ def _f(x: float | None, fmt: str = ".2e") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
+def _quarter_rows(figures: dict[str, dict[str, Any]]) -> list[str]:
+    return [f"| {arm} | {i + 1} | {q['steps'][0]}-{q['steps'][1]} | {_f(q['mean'])} | {_f(q['mean_abs'])} "
+            f"| {_f(q['mean_over_noise'], '.3f')} | {_f(q['mean_abs_over_noise'], '.3f')} |"
+            for arm, a in figures.items() for i, q in enumerate(a["quarters"])]  # fmt: skip
+
+
+def _ci(a: dict[str, Any]) -> str:
+    ci = a["last_quarter_ci"]
+    return f"{_f(ci['mean'])} [{_f(ci['low'])}, {_f(ci['high'])}] over {ci['n']} steps" if ci else "-"
+
+
 def markdown(r: dict[str, Any]) -> str:
+    header = ["| arm | quarter | steps | mean delta | mean abs delta | mean / noise | mean abs / noise |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
     lines = ["# float8 against bf16, both arms", "",
              "float8 - bf16 training loss, same base, same data order; noise = the bf16 run's batch noise.", "",
-             "| arm | quarter | steps | mean delta | mean abs delta | mean / noise | mean abs / noise |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+             *header, *_quarter_rows(r["arms"]), ""]  # fmt: skip
     for arm, a in r["arms"].items():
-        for i, q in enumerate(a["quarters"]):
-            lines.append(f"| {arm} | {i + 1} | {q['steps'][0]}-{q['steps'][1]} | {_f(q['mean'])} | {_f(q['mean_abs'])} "
-                         f"| {_f(q['mean_over_noise'], '.3f')} | {_f(q['mean_abs_over_noise'], '.3f')} |")  # fmt: skip
-    lines.append("")
-    for arm, a in r["arms"].items():
-        ci = a["last_quarter_ci"]
-        span = f"{_f(ci['mean'])} [{_f(ci['low'])}, {_f(ci['high'])}] over {ci['n']} steps" if ci else "-"
-        lines.append(f"- {arm}: batch noise {_f(a['noise'], '.4f')}; last quarter's mean delta, 95% CI: {span}")
+        lines.append(f"- {arm}: batch noise {_f(a['noise'], '.4f')}; last quarter's mean delta, 95% CI: {_ci(a)}")
+    if r.get("floor"):
+        floor = (
+            "bf16 again - bf16: the same job run twice, apart only where kernels are not repeatable; a float8 "
+            "difference of this size cannot be told from a rerun."
+        )
+        lines += ["", floor, "", *header, *_quarter_rows(r["floor"]), ""]
+        for arm, f in r["floor"].items():
+            fp8, again = r["arms"][arm]["quarters"][-1]["mean_abs"], f["quarters"][-1]["mean_abs"]
+            times = f" ({fp8 / again:.2f}x)" if again else " (the two bf16 runs' losses equal, bit for bit)"
+            lines.append(f"- {arm}, last quarter: mean abs delta, float8 {_f(fp8)} against bf16 again {_f(again)}"
+                         f"{times}; bf16 again's mean delta, 95% CI: {_ci(f)}")  # fmt: skip
     for p, s in r["start"].items():
         lines.append(f"- step {s['step']}, {p}: control {s['control']:.6f}, MHAR {s['mhar']:.6f} "
                      f"({_f(s['relative'])} relative)")  # fmt: skip
@@ -195,6 +226,9 @@ def plot(root: Path, runs: dict[tuple[str, str], dict[str, dict[int, float]]], r
     top.legend()
     for arm, a in r["arms"].items():
         line = bottom.plot(a["steps"], a["deltas"], lw=0.8, label=f"{arm}: float8 - bf16")[0]
+        if arm in r.get("floor", {}):
+            f, color = r["floor"][arm], line.get_color()
+            bottom.plot(f["steps"], f["deltas"], lw=0.8, ls=":", color=color, label=f"{arm}: bf16 again - bf16")
         if a["noise"]:
             bottom.axhspan(-a["noise"], a["noise"], color=line.get_color(), alpha=0.12, label=f"{arm}: +- batch noise")
     bottom.axhline(0, color="black", lw=0.5)
@@ -216,11 +250,11 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser(
         "run",
-        help="train the four jobs",
+        help="train the four jobs (six with --repeat-bf16)",
         description="Train each arm in bf16 and in float8 from one HF base on this node's GPUs, then report. "
-        "Further --section.key value arguments go to all four jobs.",
+        "Further --section.key value arguments go to every job.",
     )
-    r.add_argument("root", help="a new folder for the four runs")
+    r.add_argument("root", help="a new folder for the runs")
     r.add_argument("--base", required=True, help="the HF base every job loads")
     r.add_argument("--steps", type=int, default=300, help="steps a job (default 300)")
     r.add_argument("--nproc", type=int, default=1, help="GPUs a job (default 1)")
@@ -228,9 +262,12 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--control", default="configs/marin8b_control.toml", help="the control arm's config")
     r.add_argument("--mhar", default="configs/marin8b_mhar.toml", help="the MHAR arm's config")
     r.add_argument("--emulate", action="store_true", help="torchao's float8 emulation (CPU): tensorwise, no compile")
-    s = sub.add_parser(
-        "report", help="compare the four runs", description="Compare the four runs `run` wrote (md, json, png)."
+    r.add_argument(
+        "--repeat-bf16",
+        action="store_true",
+        help="train each arm's bf16 job twice: the floor (kernels that are not repeatable) for float8's difference",
     )
+    s = sub.add_parser("report", help="compare the runs", description="Compare the runs `run` wrote (md, json, png).")
     s.add_argument("root", help="the folder `run` wrote")
     args, extra = p.parse_known_args(argv)
     if args.command == "report":

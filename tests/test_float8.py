@@ -25,14 +25,15 @@ TINY = str(REPO / "configs" / "tiny_cpu.toml")
 
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory):
-    """The parity benchmark's four tiny jobs (control and MHAR, without and with float8), 8 steps each."""
+    """The parity benchmark's six tiny jobs (control and MHAR: without float8, with it, and without it again), 8
+    steps each."""
     tmp = tmp_path_factory.mktemp("float8")
     base = tmp / "base"
     init_hf(str(base), "tiny", tokenizer_dir=str(REPO / "assets" / "tiny"), seed=3)
     root = tmp / "parity"
     cmd = [sys.executable, "-m", "benchmarks.float8_parity", "run", str(root), "--base", str(base), "--steps", "8",
            "--emulate", "--control", "configs/tiny_cpu.toml", "--mhar", "configs/tiny_cpu_mhar.toml", "--parallel", "2",
-           "--mhar.num_blocks", "2", "--compile.no-enable"]  # fmt: skip
+           "--repeat-bf16", "--mhar.num_blocks", "2", "--compile.no-enable"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -54,6 +55,23 @@ def test_the_mhar_arm_at_init_computes_the_control_under_float8_and_float8_chang
     report = (root / "float8_parity.md").read_text()
     assert "| mhar | 4 | 7-8 |" in report
     assert result["run"]["parallel"] == 2 and "2 jobs at a time shared the GPUs: not a job's own speed" in report
+
+
+def test_the_repeated_bf16_jobs_give_the_floor_and_on_cpu_it_is_zero(parity):
+    """Two runs of one job on CPU compute the same losses bit for bit, so the floor the report sets float8's
+    difference against is exactly 0 there (on a GPU the attention backward is not repeatable)."""
+    root, _ = parity
+    result = json.loads((root / "float8_parity.json").read_text())
+    assert result["run"]["repeat_bf16"] is True and set(result["floor"]) == {"control", "mhar"}
+    for arm in ("control", "mhar"):
+        floor = result["floor"][arm]
+        assert floor["steps"] == list(range(1, 9)) and floor["deltas"] == [0.0] * 8, floor["deltas"]
+        assert floor["first"]["bf16"] == floor["first"]["bf16-again"]
+    report = (root / "float8_parity.md").read_text()
+    assert "bf16 again - bf16: the same job run twice" in report
+    assert "| control | 4 | 7-8 | 0.00e+00 | 0.00e+00 | 0.000 | 0.000 |" in report
+    assert "(the two bf16 runs' losses equal, bit for bit)" in report
+    assert "mhar-bf16-again" in result["speed"]
 
 
 def test_a_float8_job_logs_its_mfu_as_bf16_equivalent_and_records_its_precision(parity):
