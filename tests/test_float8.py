@@ -2,18 +2,23 @@
 emulation on CPU, the tensorwise recipe without compile), the MHAR arm at init computing what the control computes
 under float8 too, the parity benchmark, the run's fingerprint, the memory plan, and the refusals."""
 
+import argparse
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 from conftest import REPO
+from torch.utils.tensorboard import SummaryWriter
 
 import mhar_titan.config as config_mod
+from benchmarks import float8_parity
 from mhar_titan.components import fingerprint
 from mhar_titan.components.step_log import mfu_note
+from mhar_titan.components.tensorboard_scalars import LOSS_TAG
 from mhar_titan.config import parse_config
 from mhar_titan.hf.export import init_hf
 from mhar_titan.plan import estimate, geometry
@@ -25,15 +30,14 @@ TINY = str(REPO / "configs" / "tiny_cpu.toml")
 
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory):
-    """The parity benchmark's six tiny jobs (control and MHAR: without float8, with it, and without it again), 8
-    steps each."""
+    """The parity benchmark's four tiny jobs (control and MHAR, without and with float8), 8 steps each."""
     tmp = tmp_path_factory.mktemp("float8")
     base = tmp / "base"
     init_hf(str(base), "tiny", tokenizer_dir=str(REPO / "assets" / "tiny"), seed=3)
     root = tmp / "parity"
     cmd = [sys.executable, "-m", "benchmarks.float8_parity", "run", str(root), "--base", str(base), "--steps", "8",
            "--emulate", "--control", "configs/tiny_cpu.toml", "--mhar", "configs/tiny_cpu_mhar.toml", "--parallel", "2",
-           "--repeat-bf16", "--mhar.num_blocks", "2", "--compile.no-enable"]  # fmt: skip
+           "--mhar.num_blocks", "2", "--compile.no-enable"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -57,21 +61,42 @@ def test_the_mhar_arm_at_init_computes_the_control_under_float8_and_float8_chang
     assert result["run"]["parallel"] == 2 and "2 jobs at a time shared the GPUs: not a job's own speed" in report
 
 
-def test_the_repeated_bf16_jobs_give_the_floor_and_on_cpu_it_is_zero(parity):
-    """Two runs of one job on CPU compute the same losses bit for bit, so the floor the report sets float8's
-    difference against is exactly 0 there (on a GPU the attention backward is not repeatable)."""
-    root, _ = parity
-    result = json.loads((root / "float8_parity.json").read_text())
-    assert result["run"]["repeat_bf16"] is True and set(result["floor"]) == {"control", "mhar"}
-    for arm in ("control", "mhar"):
-        floor = result["floor"][arm]
-        assert floor["steps"] == list(range(1, 9)) and floor["deltas"] == [0.0] * 8, floor["deltas"]
-        assert floor["first"]["bf16"] == floor["first"]["bf16-again"]
-    report = (root / "float8_parity.md").read_text()
-    assert "bf16 again - bf16: the same job run twice" in report
+def test_the_repeated_bf16_jobs_run_the_bf16_command_and_the_report_sets_float8_against_them(tmp_path):
+    """--repeat-bf16: each arm's bf16 job once more, the same command but its folder; the report puts bf16 again -
+    bf16 (here 0 for the control, as two runs on a CPU are, and a known offset for MHAR) beside float8 - bf16."""
+    args = argparse.Namespace(
+        control="configs/tiny_cpu.toml", mhar="configs/tiny_cpu_mhar.toml", nproc=1, emulate=True, base="B", steps=8
+    )
+    assert float8_parity.runs_of(True) == [
+        "control-bf16", "control-float8", "control-bf16-again", "mhar-bf16", "mhar-float8", "mhar-bf16-again"
+    ]  # fmt: skip
+    again, bf16 = (float8_parity.job(tmp_path, "mhar", p, args, ["--x.y", "1"]) for p in ("bf16-again", "bf16"))
+    renamed = [a.replace("bf16-again", "bf16") for a in again]
+    assert renamed == bf16 and str(tmp_path / "mhar-bf16-again") in again
+    loss = {n: [8.0 - 0.1 * s + 0.05 * (s % 3) for s in range(1, 9)] for n in float8_parity.runs_of(True)}
+    for n, offset in (("control-float8", 0.01), ("mhar-float8", 0.02), ("mhar-bf16-again", 0.004)):
+        loss[n] = [v + offset for v in loss[n]]
+    for name, values in loss.items():
+        with SummaryWriter(str(tmp_path / name / "tb")) as w:
+            for step, v in enumerate(values, 1):
+                w.add_scalar(LOSS_TAG, v, step)
+    (tmp_path / float8_parity.RUN_FILE).write_text(json.dumps({"parallel": 1, "repeat_bf16": True}))
+    result = float8_parity.report(argparse.Namespace(root=str(tmp_path)))
+    assert result["floor"]["control"]["deltas"] == [0.0] * 8
+    assert result["floor"]["mhar"]["deltas"] == pytest.approx([0.004] * 8, abs=1e-6)  # float32 in the event file
+    report = (tmp_path / "float8_parity.md").read_text()
     assert "| control | 4 | 7-8 | 0.00e+00 | 0.00e+00 | 0.000 | 0.000 |" in report
-    assert "(the two bf16 runs' losses equal, bit for bit)" in report
-    assert "mhar-bf16-again" in result["speed"]
+    assert (
+        "- control, last quarter: mean abs delta, float8 1.00e-02 against bf16 again 0.00e+00 (the two bf16 runs' "
+        "losses equal, bit for bit)" in report
+    )
+    assert "- mhar, last quarter: mean abs delta, float8 2.00e-02 against bf16 again 4.00e-03 (5.00x)" in report
+    shutil.rmtree(tmp_path / "mhar-bf16-again")
+    cmd = [sys.executable, "-m", "benchmarks.float8_parity", "report", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        f"float8_parity: {tmp_path}: no TensorBoard log of mhar-bf16-again (give the ROOT `run` wrote)"
+    ), proc.stderr
 
 
 def test_a_float8_job_logs_its_mfu_as_bf16_equivalent_and_records_its_precision(parity):
