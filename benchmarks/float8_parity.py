@@ -1,12 +1,13 @@
 """float8 against bf16 on both arms of the pair: the loss difference against the batch noise, with a plot.
 
     python -m benchmarks.float8_parity run ROOT --base BASE [--steps 300] [--parallel 2] [--repeat-bf16]
-                                           [--section.key value ...]
+                                           [--arms control] [--section.key value ...]
     python -m benchmarks.float8_parity report ROOT
 
-`run` trains four jobs (six with `--repeat-bf16`) from one HF base on the same data, through launch/torchrun.sh on
-this node's GPUs: each arm (configs/marin8b_control.toml, configs/marin8b_mhar.toml, or --control and --mhar) in
-bf16 and with torchtitan's float8 converter (`FLOAT8`: the rowwise recipe, the output layer left in bf16), as
+`run` trains four jobs (six with `--repeat-bf16`; half with `--arms control` or `--arms mhar`) from one HF base on
+the same data, through launch/torchrun.sh on this node's GPUs: each arm (configs/marin8b_control.toml,
+configs/marin8b_mhar.toml, or --control and --mhar) in bf16 and with torchtitan's float8 converter (`FLOAT8`: the
+rowwise recipe, the output layer left in bf16), as
 ROOT/<arm>-<precision>. The base is loaded and nothing is saved (`--checkpoint.load_only`), validation is off,
 every step is logged; the global batch is one microbatch a rank. Other `--section.key value` arguments go to
 every job (e.g. `--data.paths`; `--model.hf_assets_path` is --base). `--parallel 2` runs two jobs at a time when
@@ -58,9 +59,9 @@ MEMORY_TAG = "memory/peak_active_gib_max"
 RUN_FILE = "float8_parity_run.json"  # how `run` ran the jobs
 
 
-def runs_of(repeat: bool) -> list[str]:
+def runs_of(repeat: bool, arms: tuple[str, ...] = ARMS) -> list[str]:
     """The jobs' names (their folders under ROOT), in the order they run."""
-    return [f"{a}-{p}" for a in ARMS for p in (*PRECISIONS, AGAIN)[: 3 if repeat else 2]]
+    return [f"{a}-{p}" for a in arms for p in (*PRECISIONS, AGAIN)[: 3 if repeat else 2]]
 
 
 def job(root: Path, arm: str, precision: str, args: argparse.Namespace, extra: list[str]) -> list[str]:
@@ -79,17 +80,17 @@ def job(root: Path, arm: str, precision: str, args: argparse.Namespace, extra: l
 
 def run(args: argparse.Namespace, extra: list[str]) -> None:
     root = Path(args.root)
-    taken = [str(root / n) for n in runs_of(args.repeat_bf16) if (root / n).exists()]
+    taken = [str(root / n) for n in runs_of(args.repeat_bf16, args.arms) if (root / n).exists()]
     if taken:
         raise SystemExit(f"{sys.argv[0]}: {', '.join(taken)} already there: give a new ROOT")
     if not (Path(args.base) / "config.json").is_file():
         raise SystemExit(f"{sys.argv[0]}: --base {args.base}: no config.json there (an HF checkpoint folder)")
     root.mkdir(parents=True, exist_ok=True)
     settings = {"steps": args.steps, "nproc": args.nproc, "parallel": args.parallel, "emulate": args.emulate,
-                "repeat_bf16": args.repeat_bf16, "control": args.control, "mhar": args.mhar, "base": args.base,
-                "overrides": extra}  # fmt: skip
+                "repeat_bf16": args.repeat_bf16, "arms": list(args.arms), "control": args.control, "mhar": args.mhar,
+                "base": args.base, "overrides": extra}  # fmt: skip
     write_text(root / RUN_FILE, json.dumps(settings, indent=2) + "\n")  # `report` reads how the jobs shared GPUs
-    queue = [tuple(n.split("-", 1)) for n in runs_of(args.repeat_bf16)]
+    queue = [tuple(n.split("-", 1)) for n in runs_of(args.repeat_bf16, args.arms)]
     running: list[tuple[str, subprocess.Popen, float]] = []
     failed = []
     while queue or running:
@@ -135,7 +136,8 @@ def arm_figures(bf16: dict[int, float], fp8: dict[int, float], other: str = "flo
 def report(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.root)
     ran = json.loads((root / RUN_FILE).read_text()) if (root / RUN_FILE).is_file() else {}
-    names = runs_of(bool(ran.get("repeat_bf16")))
+    arms = tuple(ran.get("arms", ARMS))
+    names = runs_of(bool(ran.get("repeat_bf16")), arms)
     missing = [n for n in names if not any((root / n / "tb").rglob("events.out.tfevents.*"))]
     if missing:
         raise SystemExit(
@@ -147,11 +149,11 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"float8_parity: no {LOSS_TAG!r} under {root / f'{a}-{p}' / 'tb'}")
     result: dict[str, Any] = {"root": str(root), "run": ran, "arms": {}, "floor": {}, "start": {}, "speed": {},
                               "memory": {}}  # fmt: skip
-    for arm in ARMS:
+    for arm in arms:
         result["arms"][arm] = arm_figures(runs[arm, "bf16"][LOSS_TAG], runs[arm, "float8"][LOSS_TAG])
         if (arm, AGAIN) in runs:
             result["floor"][arm] = arm_figures(runs[arm, "bf16"][LOSS_TAG], runs[arm, AGAIN][LOSS_TAG], AGAIN)
-    for p in PRECISIONS:
+    for p in PRECISIONS if arms == ARMS else ():  # the arms at init against each other: both are needed
         c, m = runs["control", p][LOSS_TAG], runs["mhar", p][LOSS_TAG]
         first = min(set(c) & set(m))
         result["start"][p] = {"step": first, "control": c[first], "mhar": m[first],
@@ -186,7 +188,8 @@ def _ci(a: dict[str, Any]) -> str:
 def markdown(r: dict[str, Any]) -> str:
     header = ["| arm | quarter | steps | mean delta | mean abs delta | mean / noise | mean abs / noise |",
               "|---|---|---|---|---|---|---|"]  # fmt: skip
-    lines = ["# float8 against bf16, both arms", "",
+    title = "both arms" if len(r["arms"]) == len(ARMS) else f"the {', '.join(r['arms'])} arm only"
+    lines = [f"# float8 against bf16, {title}", "",
              "float8 - bf16 training loss, same base, same data order; noise = the bf16 run's batch noise.", "",
              *header, *_quarter_rows(r["arms"]), ""]  # fmt: skip
     for arm, a in r["arms"].items():
@@ -250,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser(
         "run",
-        help="train the four jobs (six with --repeat-bf16)",
+        help="train the jobs: each arm in bf16 and float8 (and bf16 again with --repeat-bf16)",
         description="Train each arm in bf16 and in float8 from one HF base on this node's GPUs, then report. "
         "Further --section.key value arguments go to every job.",
     )
@@ -261,6 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--parallel", type=int, default=1, help="jobs at a time (default 1)")
     r.add_argument("--control", default="configs/marin8b_control.toml", help="the control arm's config")
     r.add_argument("--mhar", default="configs/marin8b_mhar.toml", help="the MHAR arm's config")
+    r.add_argument(
+        "--arms", default=",".join(ARMS), help="comma-separated arms to train, of control and mhar (default both)"
+    )
     r.add_argument("--emulate", action="store_true", help="torchao's float8 emulation (CPU): tensorwise, no compile")
     r.add_argument(
         "--repeat-bf16",
@@ -275,6 +281,10 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"report takes no overrides: {' '.join(extra)}")
         report(args)
         return
+    given = args.arms.split(",")
+    if not set(given) <= set(ARMS):
+        p.error(f"--arms {args.arms}: the arms are {', '.join(ARMS)}")
+    args.arms = tuple(a for a in ARMS if a in given)
     if args.steps < 8 or args.nproc < 1 or args.parallel < 1:
         p.error(f"--steps {args.steps} (at least 8), --nproc {args.nproc}, --parallel {args.parallel}: positive")
     run(args, extra)

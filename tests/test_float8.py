@@ -91,6 +91,13 @@ def test_the_repeated_bf16_jobs_run_the_bf16_command_and_the_report_sets_float8_
         "losses equal, bit for bit)" in report
     )
     assert "- mhar, last quarter: mean abs delta, float8 2.00e-02 against bf16 again 4.00e-03 (5.00x)" in report
+    one = tmp_path / "control-only"  # --arms control: its three runs, no comparison of the arms at init
+    for name in float8_parity.runs_of(True, ("control",)):
+        shutil.copytree(tmp_path / name, one / name)
+    (one / float8_parity.RUN_FILE).write_text(json.dumps({"parallel": 1, "repeat_bf16": True, "arms": ["control"]}))
+    alone = float8_parity.report(argparse.Namespace(root=str(one)))
+    assert list(alone["arms"]) == list(alone["floor"]) == ["control"] and alone["start"] == {}
+    assert (one / "float8_parity.md").read_text().startswith("# float8 against bf16, the control arm only")
     shutil.rmtree(tmp_path / "mhar-bf16-again")
     cmd = [sys.executable, "-m", "benchmarks.float8_parity", "report", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
