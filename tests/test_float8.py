@@ -86,6 +86,7 @@ def test_the_repeated_bf16_jobs_run_the_bf16_command_and_the_report_sets_float8_
     assert result["floor"]["mhar"]["deltas"] == pytest.approx([0.004] * 8, abs=1e-6)  # float32 in the event file
     report = (tmp_path / "float8_parity.md").read_text()
     assert "| control | 4 | 7-8 | 0.00e+00 | 0.00e+00 | 0.000 | 0.000 |" in report
+    assert "compare it with two bf16 runs' (--repeat-bf16), not with 0" in report  # the CI's steps are not independent
     assert (
         "- control, last quarter: mean abs delta, float8 1.00e-02 against bf16 again 0.00e+00 (the two bf16 runs' "
         "losses equal, bit for bit)" in report
