@@ -19,11 +19,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e '.[dev]'
 	touch $(STAMP)
 
-# Test files spread over TEST_WORKERS processes, each file's tests in one (they share module fixtures).
+# Test files spread over TEST_WORKERS processes, each file's tests in one (they share module fixtures),
+# the slowest files first (tests/conftest.py's order; xdist's own reorder counts tests, not time).
 TEST_WORKERS ?= 2
 
 test: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The tiny pair, control then MHAR, each a 2-rank FSDP2 run (on CPU over gloo without a GPU).
 # The tiny pair end to end: a corpus and tokenizer from this machine's Python docstrings, a random

@@ -16,6 +16,26 @@ if not torch.cuda.is_available():
 
 import kernels.triton.launch as rt  # noqa: E402  (after TRITON_INTERPRET is set)
 
+# The files that take longest on two CPU cores (`pytest --durations=0`, docs/performance.md), longest first.
+# `make test` runs `--dist loadfile --no-loadscope-reorder`: the workers take whole files in collection order,
+# so starting with the longest leaves the short ones to fill the end (the suite takes as long as its slower
+# worker); xdist's own reorder goes by the number of tests in a file, not by their time.
+SLOWEST_FIRST = (
+    "test_preflight.py", "test_train_resume.py", "test_cluster_run.py", "test_hf_distributed.py",
+    "test_train_stages.py", "test_recipe_train.py", "test_float8.py", "test_train_mhar.py",
+    "test_preflight_probe.py", "test_eval_watch.py", "test_routing_triton.py", "test_pair_demo.py",
+    "test_data_mixture.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slowest files first, every other file after them in its usual order (a stable sort)."""
+    gone = [name for name in SLOWEST_FIRST if not (REPO / "tests" / name).is_file()]
+    if gone:
+        raise pytest.UsageError(f"tests/conftest.py SLOWEST_FIRST names files that are not in tests/: {gone}")
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
 
 @pytest.fixture
 def own_signal_handlers():
