@@ -70,8 +70,8 @@ def job(root: Path, arm: str, precision: str, args: argparse.Namespace, extra: l
     """One job's launcher command (`precision`: bf16, float8 or bf16-again)."""
     config, nproc = getattr(args, arm), args.nproc
     # with the base as the jobs get it: the config's own hf_assets_path may not exist here (torchtitan warns)
-    local = parse_config(["--job.config_file", str(REPO / config), "--model.hf_assets_path", args.base])
-    local = local.training.local_batch_size
+    cfg = parse_config(["--job.config_file", str(REPO / config), "--model.hf_assets_path", args.base])
+    local = cfg.training.local_batch_size
     float8 = EMULATED if args.emulate else FLOAT8
     cmd = [str(REPO / "launch" / "torchrun.sh"), "--nproc", str(nproc), "--launch-id", f"float8-{arm}-{precision}",
            config, "--job.dump_folder", str(root / f"{arm}-{precision}"),
