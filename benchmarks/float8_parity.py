@@ -63,7 +63,7 @@ RUN_FILE = "float8_parity_run.json"  # how `run` ran the jobs
 
 def runs_of(repeat: bool, arms: tuple[str, ...] = ARMS) -> list[str]:
     """The jobs' names (their folders under ROOT), in the order they run."""
-    return [f"{a}-{p}" for a in arms for p in (*PRECISIONS, AGAIN)[: 3 if repeat else 2]]
+    return [f"{a}-{p}" for a in arms for p in ((*PRECISIONS, AGAIN) if repeat else PRECISIONS)]
 
 
 def job(root: Path, arm: str, precision: str, args: argparse.Namespace, extra: list[str]) -> list[str]:
