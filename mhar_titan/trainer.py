@@ -18,7 +18,7 @@ from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enabl
 from torchtitan.train import Trainer
 
 from mhar_titan import titan_compat
-from mhar_titan.components import fingerprint, run_checks
+from mhar_titan.components import fingerprint, resume_faults, run_checks
 from mhar_titan.components.bad_steps import BadSteps
 from mhar_titan.components.checkpoint import CPTCheckpointManager, complete_steps
 from mhar_titan.components.ema import WeightEMA
@@ -106,6 +106,7 @@ class CPTTrainer(RunFolder, Trainer):
             maybe_enable_memory_snapshot(cfg.profiling, **where) as memory,
         ):
             data_iterator = self.batch_generator(self.dataloader)
+            resume_faults.inject(self, data_iterator)  # only where a test sets MHAR_TEST_RESUME_FAULT
             first = True
             while self.should_continue_training():
                 self.step += 1
@@ -228,8 +229,7 @@ class CPTTrainer(RunFolder, Trainer):
 
     @property
     def skip_on_device(self) -> bool:
-        """Every optimizer can skip a step on the device (torch's fused Adam and AdamW honour
-        `found_inf`); the foreach and for-loop implementations need the host's decision first."""
+        """Every optimizer can skip a step on the device (fused Adam and AdamW honour `found_inf`; foreach can't)."""
         return all(getattr(opt, "_step_supports_amp_scaling", False) for opt in self.optimizers.optimizers)
 
     def _after_forward(self, *_) -> None:
@@ -276,6 +276,7 @@ class CPTTrainer(RunFolder, Trainer):
     def validate(self) -> None:
         """Every validation set with the raw and EMA weights to TensorBoard and, on rank 0, every batch's CE to
         validation/step-N.json; its time is left out of the training throughput and counted in the ETA."""
+        self.optimizers.zero_grad()  # the last step's gradients are not read again: validation gets their memory
         began = time.perf_counter()
         folder = os.path.join(self.job_config.job.dump_folder, "validation")
         record = folder if torch.distributed.get_rank() == 0 else None

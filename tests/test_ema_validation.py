@@ -57,11 +57,25 @@ def test_ema_update_is_the_recurrence_and_swapping_restores_the_weights_bitwise(
         assert (e.double() - want[n]).abs().max().item() <= bound, n
 
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with ema.swapped_in():
+    averaged = {n: t.clone() for n, t in ema.state_dict().items()}
+    with ema.swapped_in():  # fp32 weights: exchanged in place with the EMA, no copy of them (see below)
         for n, p in model.named_parameters():
-            assert torch.equal(p, ema.state_dict()[n]), n
+            assert torch.equal(p, averaged[n]), n
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
+        assert torch.equal(ema.state_dict()[n], averaged[n]), n  # the EMA itself back bit for bit too
+    half = tiny_model(seed=1).to(torch.bfloat16)  # weights of another dtype than the EMA: backed up instead
+    half_ema = WeightEMA(half, beta)
+    half_ema.start()
+    with torch.no_grad():
+        for p in half.parameters():
+            p.add_(1.0)
+    kept = {n: p.detach().clone() for n, p in half.named_parameters()}
+    with half_ema.swapped_in():
+        for n, p in half.named_parameters():
+            assert torch.equal(p, half_ema.state_dict()[n].to(torch.bfloat16)), n
+    for n, p in half.named_parameters():
+        assert torch.equal(p, kept[n]), n
 
     restored = WeightEMA(model, beta)
     with pytest.raises(RuntimeError, match="before start"):

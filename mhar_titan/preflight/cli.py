@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 import os
 import shutil
 import socket
@@ -38,19 +39,10 @@ from mhar_titan.preflight import checks, verdicts
 from mhar_titan.preflight.evaluate import eval_stage
 from mhar_titan.preflight.exports import TOKENS, export_stage, fp32_matmuls, run_checks
 from mhar_titan.preflight.exports import merge as merge_exports
-from mhar_titan.preflight.pair import (
-    REPO,
-    JobFailed,
-    PairSettings,
-    gates_moved,
-    moved_stages,
-    resume_check,
-    run_killed,
-    run_resumed,
-)
+from mhar_titan.preflight.pair import REPO, JobFailed, PairSettings, gates_moved, moved_stages, run_killed, run_resumed
 from mhar_titan.preflight.probe import gpu_memory_bytes, probe_stages
-from mhar_titan.preflight.probe_report import attention_nondeterminism
 from mhar_titan.preflight.report import report_markdown
+from mhar_titan.preflight.resume import resume_check
 from mhar_titan.preflight.stages import Stage, failed, table
 
 ARMS = ("control", "mhar")
@@ -252,7 +244,8 @@ class Preflight:
                 "--checkpoint.interval", str(s.checkpoint_at), "--checkpoint.keep_latest_k", "2",
                 "--checkpoint.keep_every", "0",
                 "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
-                "--validation.enable", "--validation.freq", str(s.steps), "--validation.steps", val_steps,
+                "--validation.enable", "--validation.freq", str(math.gcd(s.kill_after, s.steps)),
+                "--validation.steps", val_steps,
                 "--validation.at_start",
                 *moved_stages(self.cfgs["control"], s)[0]]  # fmt: skip
 
@@ -282,8 +275,9 @@ class Preflight:
             for arm, path in zip(ARMS, (self.args.control, self.args.mhar), strict=True):
                 if arm in self.kill:
                     killed = run_killed(path, arm, s, overrides)
+                    rerun = run_killed(path, arm, s, overrides, rerun=True)  # this job's own spread
                     resumed = run_resumed(path, arm, s, overrides, drop_loaded=not self.args.keep)
-                    check = resume_check(killed["scalars"], resumed["scalars"], s.checkpoint_at)
+                    check = resume_check(killed["scalars"], resumed["scalars"], s.checkpoint_at, rerun["scalars"])
                 else:  # one job, its only checkpoint the last step's (for the exports)
                     once = [*overrides, "--checkpoint.interval", str(s.steps)]
                     killed = resumed = run_resumed(path, arm, s, once, drop_loaded=False, resumes=False)
@@ -301,8 +295,7 @@ class Preflight:
         except (JobFailed, OSError) as e:
             self.add(failed("d", STAGE_NAMES["d"], str(e), time.monotonic() - began))
             return None
-        attention = attention_nondeterminism(self.root / "probe")
-        self.add(verdicts.pair_stage(arms, s, depth, time.monotonic() - began, attention))
+        self.add(verdicts.pair_stage(arms, s, depth, time.monotonic() - began))
         if "e" in self.wanted:
             self.add(verdicts.speed_memory_stage(arms, self.plan_peaks, s))
         return {"settings": s, "arms": arms}

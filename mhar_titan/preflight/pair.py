@@ -1,9 +1,12 @@
 """The preflight's pair, as a user runs it: each arm from the base through launch/torchrun.sh, a checkpoint
-midway, the job SIGKILLed a few steps after it (its process group, as a scheduler kills a job), relaunched with
-the same command, and the resumed steps compared with what the killed job had logged, bit for bit.
+midway, the job SIGKILLed a few steps after it (its process group, as a scheduler kills a job), relaunched from
+that checkpoint twice with the same command, and the resumed steps compared with what the killed job had logged.
+The first relaunch (the rerun) is killed at the same step as the first job; the second trains to the end. On GPUs
+whose kernels are not repeatable bit for bit the two relaunches measure this job's own run-to-run spread on the
+very steps compared (verdicts.resume_verdict); where they are, any difference is a failure.
 
-The killed job's scalars are read right after the kill: the relaunch purges the lost timeline's events past its
-checkpoint (the TensorBoard run stays one timeline), so afterwards only the resumed values are there.
+A job's scalars are read right after it ends: the next relaunch purges the lost timeline's events past its
+checkpoint (the TensorBoard run stays one timeline), so afterwards only the relaunch's values are there.
 """
 
 from __future__ import annotations
@@ -27,12 +30,7 @@ from mhar_titan.components.tensorboard_scalars import load_scalars
 REPO = Path(__file__).resolve().parents[2]
 LOGGED_STEP = re.compile(r"step (\d+)/\d+\s+loss")
 RESUMED_FROM = re.compile(r"resumes from its checkpoint .*\(step (\d+)\)")
-# What a resumed step must reproduce: the loss and its parts, the gradient norm, every LR, the tokens and every
-# data counter (the loader's position); not the timings and memory, which differ between any two jobs.
-COMPARED = ("train/loss", "train/ce", "train/z_loss", "train/loss_max", "grad_norm", "tokens_seen")
-COMPARED_PREFIXES = ("lr/", "data/", "mhar")
-FORWARD = ("train/loss", "train/ce", "train/z_loss", "train/loss_max")
-COUNTERS = ("lr/", "data/", "tokens_seen")
+VALIDATED = "validation at step {}:"
 
 Scalars = dict[str, dict[int, float]]
 
@@ -109,40 +107,60 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_killed(config: str, arm: str, s: PairSettings, overrides: list[str]) -> dict[str, Any]:
-    """The first job: trains past the checkpoint, then its launcher's process group gets SIGKILL."""
-    log = s.logs / f"{arm}-killed.log"
-    cmd = job_command(config, arm, f"preflight-{arm}-1", s, overrides)
+def run_killed(
+    config: str, arm: str, s: PairSettings, overrides: list[str], rerun: bool = False, name: str | None = None
+) -> dict[str, Any]:
+    """The first job: trains past the checkpoint, validates at s.kill_after, then its launcher's process group gets
+    SIGKILL. With `rerun`, a relaunch: it must resume from the checkpoint, and is killed at the same point. Its log
+    and scalars go to logs/<arm>-<name>.log and -scalars.json (name: killed or rerun unless given)."""
+    launch = 2 if rerun else 1
+    name = name or ("rerun" if rerun else "killed")
+    log = s.logs / f"{arm}-{name}.log"
+    cmd = job_command(config, arm, f"preflight-{arm}-{launch}", s, overrides)
     began = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(s.python), start_new_session=True)
     folder = str(s.pair / arm / "checkpoint")
+    job = "the rerun from the checkpoint" if rerun else "the first job"
     try:
         while True:
             time.sleep(0.25)
             if proc.poll() is not None:
                 raise JobFailed(
-                    f"{arm}: the first job exited ({proc.returncode}) at step {last_logged_step(log)} before it could "
+                    f"{arm}: {job} exited ({proc.returncode}) at step {last_logged_step(log)} before it could "
                     f"be killed after step {s.kill_after}: {_error_line(log)} (log: {log})"
                 )
             if time.monotonic() - began > s.timeout_s:
-                raise JobFailed(
-                    f"{arm}: the first job did not reach step {s.kill_after} in {s.timeout_s:.0f} s (log: {log})"
-                )
+                raise JobFailed(f"{arm}: {job} did not reach step {s.kill_after} in {s.timeout_s:.0f} s (log: {log})")
             step = last_logged_step(log)
-            if step >= s.kill_after and s.checkpoint_at in complete_steps(folder):
+            if (
+                step >= s.kill_after
+                and VALIDATED.format(s.kill_after) in log.read_text(errors="replace")
+                and s.checkpoint_at in complete_steps(folder)
+            ):
                 break
     finally:
         _kill_group(proc)
+    if rerun:
+        _check_resumed(arm, log, s)
     seconds = time.monotonic() - began
     scalars = load_scalars(s.pair / arm)
-    (s.logs / f"{arm}-killed-scalars.json").write_text(json.dumps(scalars))
+    (s.logs / f"{arm}-{name}-scalars.json").write_text(json.dumps(scalars))
     return {
         "seconds": seconds,
         "killed_at": max(scalars.get("train/loss", {0: 0})),
         "scalars": scalars,
         "log": str(log),
     }
+
+
+def _check_resumed(arm: str, log: Path, s: PairSettings) -> None:
+    resumed = [int(m[1]) for m in RESUMED_FROM.finditer(log.read_text(errors="replace"))]
+    if resumed != [s.checkpoint_at]:
+        raise JobFailed(
+            f"{arm}: the relaunch did not resume from the step-{s.checkpoint_at} checkpoint "
+            f"(its log says {resumed or 'no resume'}; log: {log})"
+        )
 
 
 def run_resumed(
@@ -153,7 +171,7 @@ def run_resumed(
     the scratch disk then holds one checkpoint of the arm at a time, and the one being written. With `resumes`
     false, the arm's one uninterrupted job, which must start from the base."""
     log = s.logs / f"{arm}-{'resumed' if resumes else 'uninterrupted'}.log"
-    cmd = job_command(config, arm, f"preflight-{arm}-{2 if resumes else 1}", s, overrides)
+    cmd = job_command(config, arm, f"preflight-{arm}-{3 if resumes else 1}", s, overrides)
     began = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(s.python), start_new_session=True)
@@ -173,57 +191,12 @@ def run_resumed(
     if code != 0:
         raise JobFailed(f"{arm}: the resumed job exited {code}: {_error_line(log)} (log: {log})")
     text = log.read_text(errors="replace")
-    resumed = [int(m[1]) for m in RESUMED_FROM.finditer(text)]
     if not resumes:
-        if resumed or "Training starts at step 1\n" not in text:
+        if RESUMED_FROM.search(text) or "Training starts at step 1\n" not in text:
             raise JobFailed(f"{arm}: the job did not start from the base at step 1 (log: {log})")
-    elif resumed != [s.checkpoint_at]:
-        raise JobFailed(
-            f"{arm}: the relaunch did not resume from the step-{s.checkpoint_at} checkpoint "
-            f"(its log says {resumed or 'no resume'}; log: {log})"
-        )
+    else:
+        _check_resumed(arm, log, s)
     return {"seconds": seconds, "scalars": load_scalars(s.pair / arm), "log": str(log)}
-
-
-def compared_tags(scalars: Scalars) -> list[str]:
-    return sorted(t for t in scalars if t in COMPARED or t.startswith(COMPARED_PREFIXES))
-
-
-def resume_check(killed: Scalars, resumed: Scalars, checkpoint_at: int) -> dict[str, Any]:
-    """Every compared value of every step the killed job logged after its checkpoint, against the resumed job's."""
-    steps = sorted(s for s in killed.get("train/loss", {}) if s > checkpoint_at)
-    tags = compared_tags(killed)
-    differ = []
-    for tag in tags:
-        for step in steps:
-            if step in killed[tag] and killed[tag][step] != resumed.get(tag, {}).get(step):
-                differ.append(
-                    {"step": step, "tag": tag, "killed": killed[tag][step], "resumed": resumed.get(tag, {}).get(step)}
-                )
-    loss_rel = [
-        abs(resumed["train/loss"][s] - killed["train/loss"][s]) / abs(killed["train/loss"][s])
-        for s in steps
-        if s in resumed.get("train/loss", {}) and killed["train/loss"][s]
-    ]
-    loss_abs = [
-        abs(resumed["train/loss"][s] - killed["train/loss"][s]) for s in steps if s in resumed.get("train/loss", {})
-    ]
-    first = steps[0] if steps else None
-    return {
-        # the first resumed step's loss comes from the restored weights and data alone: it must be identical
-        "first_step_identical": not any(d["step"] == first and d["tag"] in FORWARD for d in differ),
-        # the counters (LR, tokens, the loader's position) follow the step, not the arithmetic
-        "counters_identical": not any(d["tag"].startswith(COUNTERS) for d in differ),
-        "max_abs_loss_diff": max(loss_abs, default=None),
-        "steps": steps,
-        "tags": len(tags),
-        "values": sum(len([s for s in steps if s in killed[t]]) for t in tags),
-        "equal": bool(steps) and not differ,
-        "differ": differ[:20],
-        "differing_values": len(differ),
-        "first_differing_step": min((d["step"] for d in differ), default=None),
-        "max_rel_loss_diff": max(loss_rel, default=None),
-    }
 
 
 def harmonic_rate(series: dict[int, float], first: int, last: int) -> float | None:
