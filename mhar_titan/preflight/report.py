@@ -39,8 +39,10 @@ def report_markdown(pf: Any, argv: list[str], seconds: float, host: str) -> str:
             else ""
         ),
         f"- the pair: each arm {pf.args.steps} steps of one microbatch a rank (global batch = local batch x ranks), "
-        f"checkpoint at step {pf.args.steps // 2}, validation at step 0 and at the end, logged every step; every other "
-        "setting is the configs' (width, sequence length, microbatch, activation checkpointing, compile, converters)",
+        f"checkpoint at step {pf.args.steps // 2}, validation at step 0, at the kill step and at the end, logged every "
+        "step; the killed arm relaunched twice from the checkpoint (a rerun killed at the same step, then the resumed "
+        "job); every other setting is the configs' (width, sequence length, microbatch, activation checkpointing, "
+        "compile, converters)",
         "",
         *markdown_table(pf.stages),
         "",
