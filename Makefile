@@ -59,7 +59,7 @@ bench-kernels:
 	$(if $(wildcard $(PY)),$(PY),python3) -m benchmarks.bench_routing
 
 # GPU only: the training step of stock torchtitan, our control, MHAR (triton) and MHAR (compiled
-# routing) at the 8B width with 16 layers and 8 MHAR blocks, side by side over 30 timed steps;
+# routing) at the 8B width with 16 layers (8 where the arms do not fit 16, as on an 80 GB H100) and 8 MHAR blocks, side by side over 30 timed steps;
 # `--ac full,selective,none` for other activation-checkpointing modes (python -m benchmarks.bench_step
 # --smoke: CPU plumbing).
 bench-step:

@@ -10,9 +10,10 @@ tokens/s per device, MFU (torchtitan's formula: 6 x parameters + attention flops
 the device's peak bf16 flops) and peak active memory from its TensorBoard log, over the steps
 after `--warmup`: throughput as tokens over time (a harmonic mean, so periodic work such as an
 EMA update every 10 steps counts at its real share), memory as the peak. Default geometry: the
-8B width cut to 16 layers, seq 4096, microbatch 2, bf16 compute, per-block compile, EMA every 10
+8B width cut to 16 layers (8 where the memory plan says the arms do not fit 16 on this GPU, as on an
+80 GB H100; it prints which), seq 4096, microbatch 2, bf16 compute, per-block compile, EMA every 10
 steps as in configs/marin8b_*.toml, and 8 MHAR blocks: over 16 layers that gives each site 2 to 9
-sources, the same distribution as the marin8b configs' 8 blocks over 32 layers. `--ac` runs the
+sources, the same distribution as the marin8b configs' 8 blocks over 32 layers (one layer a block at 8). `--ac` runs the
 arms under each activation-checkpointing mode asked for (full, selective: torchtitan's op-level
 selective AC, none) and prints MHAR/control and control/stock for each mode. 30 timed steps by
 default, three of them EMA and routing-statistics steps (their real share): with ten, two runs of
@@ -37,7 +38,9 @@ import sys
 from pathlib import Path
 
 from benchmarks.trace_summary import gap_report, print_gaps, print_name_diff, print_side_by_side, summarise
+from mhar_titan import plan
 from mhar_titan.components.tensorboard_scalars import read_scalars
+from mhar_titan.config import parse_config
 
 REPO = Path(__file__).resolve().parents[1]
 ARMS = {
@@ -56,6 +59,8 @@ TAGS = {
     "after_optimizer_gib": ("memory/after_optimizer_gib", None, "peak"),
 }
 FLAVOR = "marin8b_16l"
+DEPTHS = {16: "marin8b_16l", 8: "marin8b_8l"}  # the cuts of the 8B the bench runs, deepest first
+MARGIN = 0.1  # the memory plan's default margin
 GPU = [
     "--training.seq_len", "4096", "--training.local_batch_size", "2",
     "--training.mixed_precision_param", "bfloat16", "--optimizer.implementation", "fused",
@@ -108,6 +113,47 @@ def arm_command(
     return [*launcher, *ARMS[arm], *common, *geometry, *extra]
 
 
+def gpu_memory() -> float | None:
+    """The first GPU's total memory (bytes) from nvidia-smi, or None without one: this process makes no CUDA
+    context, which would take memory from the arms."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
+        return float(done.stdout.split()[0]) * 2**20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def fitting_flavor(
+    modes: list[str], nproc: int, memory: float, num_blocks: int | None, float8: bool
+) -> tuple[str, str]:
+    """The deepest cut of DEPTHS at which the control and MHAR arms both fit every AC mode asked for, by the
+    memory plan (mhar_titan.plan, its default margin), so that every arm and mode runs at one depth; and a line
+    saying which and why. An error where not even the shallowest fits."""
+    args = ["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--model.flavor", FLAVOR, *GPU,
+            "--mhar.num_blocks", str(num_blocks or NUM_BLOCKS[False]), *(FLOAT8 if float8 else [])]  # fmt: skip
+    with plan.quiet():
+        cfg = parse_config(args)
+    fits = {mode: plan.deepest_fit(cfg, nproc, memory, MARGIN, mode) for mode in modes}
+    depth = min((layers or 0) for layers, _ in fits.values())
+    usable = [d for d in DEPTHS if d <= depth]
+    if not usable:
+        worst = max(fits, key=lambda m: max(fits[m][1]["control"], fits[m][1]["mhar"]))
+        peaks = fits[worst][1]
+        raise ValueError(
+            f"a GPU of {memory / plan.GIB:.1f} GiB holds no cut of the 8B in AC mode {worst}: at {peaks['layers']} "
+            f"layers the control and MHAR arms need {peaks['control']:.1f} and {peaks['mhar']:.1f} GiB, over the "
+            f"{peaks['budget_gib']:.1f} GiB budget"
+        )
+    layers = usable[0]
+    peaks = ", ".join(f"{m} {max(fits[m][1]['control'], fits[m][1]['mhar']):.1f}" for m in modes)
+    return DEPTHS[layers], (
+        f"{DEPTHS[layers]} ({layers} layers): the deepest cut at which both arms fit AC {','.join(modes)} on this "
+        f"GPU's {memory / plan.GIB:.1f} GiB by the memory plan (the larger arm's peak at the deepest fit: {peaks} "
+        f"GiB; budget {fits[modes[0]][1]['budget_gib']:.1f} GiB)"
+    )
+
+
 def aggregate(series: dict[int, float], warmup: int, how: str, last: int | None = None) -> float:
     """Over the steps after `warmup` (up to `last`): "rate" -> harmonic mean (every step has the
     same tokens, so this is total tokens over total time), "peak" -> max."""
@@ -158,7 +204,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms to run, of {', '.join(ARMS)}")
     parser.add_argument("--ac", default="full", help=f"activation-checkpointing modes to run: {', '.join(AC_MODES)}")
     parser.add_argument("--num-blocks", type=int, default=None, help="[mhar] num_blocks (default 8; 2 with --smoke)")
-    parser.add_argument("--flavor", default=FLAVOR, help=f"model flavor on a GPU (default {FLAVOR}; marin8b_8l)")
+    parser.add_argument(
+        "--flavor",
+        default=None,
+        help=f"model flavor on a GPU: {', '.join(DEPTHS.values())} (default: the deepest at which both arms fit every "
+        "--ac mode on this GPU, by the memory plan; it says which)",
+    )
     parser.add_argument(
         "--steps",
         type=int,
@@ -211,6 +262,14 @@ def _print_profiles(where: Path, arms: list[str], steps: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args, arms, modes = _parse(argv)
+    memory = None if args.smoke or args.flavor else gpu_memory()
+    if memory is not None:
+        try:
+            args.flavor, why = fitting_flavor(modes, args.nproc, memory, args.num_blocks, args.float8)
+        except ValueError as e:
+            sys.exit(f"python -m benchmarks.bench_step: {e}")
+        print(f"bench_step: {why}", flush=True)
+    args.flavor = args.flavor or FLAVOR
     out = Path(args.out).resolve()
     results = {}
     for mode in modes:

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from benchmarks.bench_step import AC_MODES, ARMS, aggregate, arm_command
+from benchmarks.bench_step import AC_MODES, ARMS, aggregate, arm_command, fitting_flavor
+from mhar_titan.plan import GIB
 
 
 def test_arms_share_everything_but_the_trainer_and_mhar(tmp_path):
@@ -30,6 +31,17 @@ def test_arms_share_everything_but_the_trainer_and_mhar(tmp_path):
     assert cmds["mhar_triton"][cmds["mhar_triton"].index("--mhar.backend") + 1] == "triton"
     assert cmds["mhar_compile"][cmds["mhar_compile"].index("--mhar.backend") + 1] == "torch"
     assert cmds["stock"][cmds["stock"].index("-m", 3) + 1] == "benchmarks.stock_titan"
+
+
+@pytest.mark.parametrize("float8", [False, True], ids=["bf16", "float8"])
+def test_the_depth_is_the_deepest_cut_both_arms_fit_on_this_gpu(float8):
+    """An 80 GB H100 (79.2 GiB as torch sees it) runs the 8-layer cut for full and none alike (16 layers under full
+    AC peaked at 84.9 GiB on an H200); an H200 keeps 16; a GPU that holds no cut is refused, naming the mode."""
+    flavor, why = fitting_flavor(["full", "none"], 1, 79.2 * GIB, None, float8)
+    assert flavor == "marin8b_8l" and why.startswith("marin8b_8l (8 layers): the deepest cut") and "79.2 GiB" in why
+    assert fitting_flavor(["full", "none"], 1, 139.8 * GIB, None, float8)[0] == "marin8b_16l"
+    with pytest.raises(ValueError, match="a GPU of 30.0 GiB holds no cut of the 8B in AC mode none"):
+        fitting_flavor(["full", "none"], 1, 30 * GIB, None, float8)
 
 
 def test_ac_modes_reach_every_arm_and_nothing_else_changes(tmp_path):
