@@ -111,6 +111,13 @@ def test_a_loss_beyond_a_tenth_of_the_batch_noise_fails_even_within_the_spread()
     assert not ok and "of the batch noise" in figure
 
 
+def test_a_tag_the_resumed_job_did_not_log_is_named():
+    killed = run(1e-5, 0)
+    resumed = {t: v for t, v in run(1e-5, 1).items() if t != "grad_norm"}
+    ok, figure, _, _, _ = verdict(killed, resumed, run(1e-5, 2), killed["train/loss"])
+    assert not ok and "the resumed job logged no grad_norm at step 21" in figure
+
+
 def test_no_rerun_means_any_difference_fails():
     killed = run(1e-5, 0)
     check = resume_check(killed, run(1e-5, 1), 20)

@@ -35,7 +35,7 @@ def _differences(killed: Scalars, other: Scalars, tags: list[str], steps: list[i
         {"step": step, "tag": tag, "killed": killed[tag][step], "resumed": other.get(tag, {}).get(step)}
         for tag in tags
         for step in steps
-        if step in killed[tag] and killed[tag][step] != other.get(tag, {}).get(step)
+        if step in killed.get(tag, {}) and killed[tag][step] != other.get(tag, {}).get(step)
     ]
 
 
