@@ -32,7 +32,7 @@ import torch
 
 from mhar_titan.components.resume_faults import ENV, FAULTS
 from mhar_titan.preflight import cli
-from mhar_titan.preflight.pair import run_killed
+from mhar_titan.preflight.pair import JobFailed, run_killed
 from mhar_titan.preflight.resume import JUDGED, JUDGED_PREFIXES, compared_tags, gap, resume_check
 from mhar_titan.preflight.verdicts import SPREAD_FACTOR, resume_verdict, spread_ratio
 
@@ -48,8 +48,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--arm", choices=cli.ARMS, default="mhar", help="the arm killed and relaunched (default mhar)")
     ours, rest = p.parse_known_args(argv)
     faults = [f for f in ours.faults.split(",") if f]
-    if ours.reruns < 2 or set(faults) - set(FAULTS):
-        p.error(f"--reruns {ours.reruns} (at least 2), --faults {ours.faults} (among {', '.join(FAULTS)})")
+    if ours.reruns < 2:
+        p.error(f"--reruns {ours.reruns}: at least 2 (the clean pairs' spread needs two relaunches)")
+    if unknown := sorted(set(faults) - set(FAULTS)):
+        p.error(f"--faults {ours.faults}: {', '.join(unknown)} unknown; the faults are {', '.join(FAULTS)}")
     ours.faults = faults
     return ours, rest
 
@@ -80,7 +82,13 @@ def pairwise(runs: dict, names: list[str], checkpoint_at: int) -> dict[str, floa
 
 
 def main(argv: list[str] | None = None) -> None:
-    ours, rest = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        measure(*parse(sys.argv[1:] if argv is None else argv))
+    except (ValueError, JobFailed) as e:  # the preflight's refusals and a job that failed: one line
+        sys.exit(f"python -m benchmarks.resume_spread: {e}")
+
+
+def measure(ours: argparse.Namespace, rest: list[str]) -> None:
     args, overrides = cli.parse_args(rest)
     if args.gpu_memory is None and torch.cuda.is_available():
         args.gpu_memory = float(torch.cuda.mem_get_info()[0])
