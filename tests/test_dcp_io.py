@@ -7,9 +7,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from benchmarks import bench_checkpoint_io
 from mhar_titan.components.checkpoint import DataOnlyLoadPlanner
 from mhar_titan.components.checksums import without_torch_crc32
-from mhar_titan.components.dcp_io import ParallelFileSystemReader, share_by_size
+from mhar_titan.components.dcp_io import (
+    STAGE_MIN_BYTES,
+    ParallelFileSystemReader,
+    PinnedStaging,
+    StreamingFileSystemWriter,
+    share_by_size,
+)
 
 
 def _state() -> dict:
@@ -105,3 +112,59 @@ def test_records_are_shared_by_size_each_once():
     assert share_by_size([], [], 4) == []
     with pytest.raises(ValueError, match="threads = 0"):
         ParallelFileSystemReader("anywhere", 0)
+
+
+def test_a_staged_buffer_is_reused_only_once_nothing_holds_it():
+    staging = PinnedStaging(pin=False)
+    a, b, c = (torch.full((512, 600), float(i)) for i in range(3))
+    first = staging.stage(a)
+    second = staging.stage(b)  # `first` is still held: another buffer
+    assert first.data_ptr() != second.data_ptr()
+    assert torch.equal(first, a) and torch.equal(second, b)
+    view = second[3:]  # a view holds the buffer as the copy does
+    first_ptr, second_ptr = first.data_ptr(), second.data_ptr()
+    del first, second
+    third = staging.stage(c)
+    assert third.data_ptr() == first_ptr and torch.equal(third, c)
+    assert torch.equal(view, b[3:])  # untouched while held
+    del view
+    assert staging.stage(a).data_ptr() == second_ptr
+    assert staging.nbytes == 2 * a.nbytes
+    other = staging.stage(torch.ones(600, 512))  # another shape: its own buffer
+    assert other.shape == (600, 512) and staging.nbytes == 3 * a.nbytes
+
+
+class CpuStagingWriter(StreamingFileSystemWriter):
+    """Stages CPU tensors too, so that the staging runs on a machine without a GPU."""
+
+    def stages(self, data: torch.Tensor) -> bool:
+        return data.numel() * data.element_size() >= STAGE_MIN_BYTES
+
+
+def test_a_staged_save_writes_the_same_bytes_and_reuses_its_buffers(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    big = {f"layers.{i}.w": torch.randn(700, 400, generator=gen) for i in range(5)}  # 1.1 MB each: staged
+    view = torch.randn(900, 400, generator=gen)[100:]  # a view's own bytes only
+    state = {"model": {**big, "view": view, "norm": torch.randn(64, generator=gen)}, "step": 3, "opt": {"lr": 0.1}}
+    staging = PinnedStaging(pin=False)
+    with without_torch_crc32():
+        dcp.save(state, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+        writer = CpuStagingWriter(str(tmp_path / "staged"), staging)
+        dcp.save(state, storage_writer=writer, checkpoint_id=str(tmp_path / "staged"), no_dist=True)
+    # the data file byte for byte as torch's writer (.metadata carries each save's own id)
+    assert (tmp_path / "plain" / "__0_0.distcp").read_bytes() == (tmp_path / "staged" / "__0_0.distcp").read_bytes()
+    assert staging.nbytes == big["layers.0.w"].nbytes + view.nbytes  # five tensors through one buffer
+    back = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "step": 0, "opt": {"lr": 0.0}}
+    dcp.load(back, checkpoint_id=str(tmp_path / "staged"), planner=DataOnlyLoadPlanner(), no_dist=True)
+    assert back["step"] == 3 and back["opt"]["lr"] == 0.1
+    assert all(torch.equal(back["model"][k], v) for k, v in state["model"].items())
+
+
+def test_the_checkpoint_io_bench_runs_every_writer_and_checks_what_it_loads(tmp_path, capsys):
+    main = bench_checkpoint_io.main
+    main(["--gib", "0.01", "--tensor-mib", "2", "--threads", "1,2", "--readers", "2", "--dir", str(tmp_path / "c")])
+    rows = capsys.readouterr().out.splitlines()
+    names = [r.split("  ")[0] for r in rows[2:]]
+    assert names == ["CRC32 (torch's default)"] * 2 + ["no CRC32"] * 4 + ["ours, save 1"] * 2 + ["ours, save 2"] * 2
+    main(["--d2h", "--tensor-mib", "2", "--dir", str(tmp_path / "d")])
+    assert "write to" in capsys.readouterr().out and not list((tmp_path / "d").iterdir())

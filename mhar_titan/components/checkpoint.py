@@ -30,10 +30,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
+from torchtitan.tools.utils import GarbageCollection
 
 from mhar_titan.components.checksums import verify_share, without_torch_crc32, write_manifest
 from mhar_titan.components.collectives import gather_objects
-from mhar_titan.components.dcp_io import ParallelFileSystemReader
+from mhar_titan.components.dcp_io import ParallelFileSystemReader, PinnedStaging, StreamingFileSystemWriter
 from mhar_titan.components.run_checks import save_failure
 from mhar_titan.hf.ledger import build_ledger
 from mhar_titan.model.state_dict_adapter import OUR_ROUTING
@@ -116,6 +117,7 @@ class CPTCheckpointManager(CheckpointManager):
         super().__init__(*args, **kwargs)
         cfg = kwargs["checkpoint_config"]
         self.keep_every = getattr(cfg, "keep_every", 0)
+        self.staging = PinnedStaging()  # kept from save to save
         self.expected_bytes = 0  # one checkpoint's size on disk, set by the trainer: for a full disk's message
         self._told_links: set[int] = set()
         if not self.enable:
@@ -247,11 +249,18 @@ class CPTCheckpointManager(CheckpointManager):
         enable_garbage_collection: bool = False,
         to_hf: bool = False,
     ) -> Any:
-        """torchtitan's save (without torch.save's CRC32: our checksums cover the files), then this rank's
-        checksums once its files are written (at once, or when an asynchronous save completes)."""
+        """torchtitan's save (without torch.save's CRC32: our checksums cover the files; a synchronous save is
+        written record by record, its GPU tensors through reused page-locked buffers), then this rank's checksums
+        once its files are written (at once, or when an asynchronous save completes)."""
         try:
             with without_torch_crc32():
-                ret = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+                if to_hf or async_mode != AsyncMode.DISABLED:
+                    ret = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+                else:  # torchtitan 0.2.2 CheckpointManager.dcp_save's synchronous DCP branch, our writer
+                    writer = StreamingFileSystemWriter(checkpoint_id, self.staging)
+                    ret = dcp.save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id)
+                    if enable_garbage_collection:
+                        GarbageCollection.collect("GC collection invoked by checkpointer.")
         except (Exception, CheckpointException) as e:  # a full disk reads "unexpected pos" there: say it
             failure = save_failure(checkpoint_id, self.expected_bytes, e)
             if failure is e:
