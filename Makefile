@@ -33,7 +33,7 @@ test: install
 DEMO_BASE := --model.flavor hf --model.hf_assets_path $(DEMO_DIR)/base --checkpoint.initial_load_in_hf \
 	--data.mixture docstrings=0.7:$(DEMO_DIR)/data/corpus,code=0.3:$(DEMO_DIR)/data/code \
 	--data.mixture_stages '121: docstrings=0.3 code=0.7'
-# two mixture stages: the mixture's 70/30, then 30/70 over the last 30 of the 150 steps (README, "Mixture stages")
+# two mixture stages: the mixture's 70/30, then 30/70 over the last 30 of the 150 steps (docs/data.md, "Mixture stages")
 
 demo: install
 	rm -rf $(DEMO_DIR)
@@ -45,7 +45,7 @@ demo: install
 	@echo "Report: $(DEMO_DIR)/compare/report.md"
 	@echo "TensorBoard: $(VENV)/bin/tensorboard --logdir $(DEMO_DIR)"
 
-# The whole pipeline on this machine's GPUs before a long pair (README, "Before a long run: preflight"): the
+# The whole pipeline on this machine's GPUs before a long pair (docs/preflight.md): the
 # marin8b pair where nvidia-smi lists a GPU, else the tiny pair on 2 CPU ranks; ARGS e.g. "--nproc 8 --tasks ...".
 PREFLIGHT_CONFIGS ?= $(if $(shell nvidia-smi -L 2>/dev/null),configs/marin8b_control.toml configs/marin8b_mhar.toml,configs/tiny_cpu.toml configs/tiny_cpu_mhar.toml)
 

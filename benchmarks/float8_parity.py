@@ -42,8 +42,8 @@ import matplotlib
 matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402  (after the backend is chosen)
 
+from data.atomic import write_text  # noqa: E402
 from mhar_titan.compare.stats import batch_noise, median_after_warmup, paired_ci  # noqa: E402
-from mhar_titan.components.atomic import write_text  # noqa: E402
 from mhar_titan.components.tensorboard_scalars import LOSS_TAG, load_scalars  # noqa: E402
 from mhar_titan.config import parse_config  # noqa: E402
 

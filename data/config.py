@@ -24,6 +24,7 @@ class DataConfig:
     """A source read to its end: 'repeat' starts its next epoch (re-shuffled; logged, counted as
     data/mixture/<name>/epochs); 'stop' also ends the run at the next log step, with a checkpoint."""
     text_column: str = "text"
+    """The column holding each document's text; every shard must have it, as strings."""
     source_column: str = ""
     """Column with each document's source tag, for per-source token counters (empty: none)."""
     token_share_sources: int = 16

@@ -28,6 +28,7 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 from torchtitan.config import JobConfig
 
+from data.collectives import gather_objects
 from data.config import DataConfig
 from data.contents import contents_digest
 from data.index import startup_shards
@@ -44,7 +45,6 @@ from data.mixture import (
 from data.shards import NoDataError, Scan, ShardInfo, held_out, list_shards, name_paths
 from data.stages import StageSchedule, parse_stages, step_of_batch, stream_batches_before
 from data.stream import COUNTERS, PackedStream
-from mhar_titan.components.collectives import gather_objects
 
 logger = logging.getLogger(__name__)
 

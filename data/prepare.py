@@ -40,9 +40,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
+from data.atomic import clean_stale as clean_stale_siblings
+from data.atomic import sibling
 from data.index import INDEX_NAME, write_index
-from data.partial import clean_stale as clean_stale_siblings
-from data.partial import sibling
 from data.prepare_report import FileStats, Sample, bad_rows_problem, describe, make_summary
 from data.readers import TEXT_MODES, Input, InputError, Skip, discover, read_rows
 
@@ -178,7 +178,7 @@ def check_out_dir(out: Path, overwrite: bool, inputs: list[str]) -> None:
 
 def clean_stale(out: Path) -> None:
     """Remove the temporary folders (`partial`: an output being built; `old`: the output it replaced) of
-    runs to `out` whose process on this host is gone, saying so (data/partial.py). An `old` folder is
+    runs to `out` whose process on this host is gone, saying so (data/atomic.py). An `old` folder is
     kept while `out` is missing: it may hold the only copy of the previous output."""
 
     def keep(kind: str) -> str | None:

@@ -1,14 +1,13 @@
 """Look at the data before a long run: the first packed windows, and the mixture's token shares.
 
-python -m data.preview CONFIG [--rank R --world W] [--step S] [--n N] [--batches B] [--json] [--section.key value ...]
+The command line, which reads the run's config, is `python -m mhar_titan.preview` (mhar_titan/preview.py): the
+data package does not import mhar_titan. `show` prints what the loader of a parsed JobConfig delivers (its [data],
+[model] hf_assets_path and [training] seq_len and batch sizes) to the data-parallel rank asked for.
 
-From `--step S` on (default 1), the windows are picked as training picks them from that step on, with the
+From step S on (default 1), the windows are picked as training picks them from that step on, with the
 weights of each mixture stage it reaches ([data] mixture_stages), and the shares are counted per stage. The
 documents in those windows are each source's first ones: the documents a stream reads at step S depend on
 everything it read before, which the preview does not read.
-
-Any further `--section.key value` arguments override the config as they do for train_cpt.py
-(e.g. `--data.mixture web=0.7:/data/web code=0.3:/data/code --training.seq_len 512`).
 """
 
 from __future__ import annotations
@@ -23,37 +22,9 @@ from torchtitan.config import JobConfig
 from data.counters import mixture_counter, source_shares
 from data.loader import Encoder, ParquetDataLoader, check_stages, data_config, source_shards
 from data.mixture import parse_validation_sets
-from data.shards import BadShardError, NoDataError
 from data.stages import step_of_batch
-from mhar_titan.config import parse_config
 
 BOUNDARY = "\n\u2502\u2502 end of document \u2502\u2502\n"
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        epilog="Other arguments (--section.key value) override the config, as for train_cpt.py.",
-    )
-    parser.add_argument("config", help="the run's TOML config (its [data], [model] hf_assets_path, [training] seq_len)")
-    parser.add_argument("--rank", type=int, default=0, help="the data-parallel rank whose batches to show (default 0)")
-    parser.add_argument("--world", type=int, default=1, help="the number of data-parallel ranks (default 1)")
-    parser.add_argument("--step", type=int, default=1, help="the training step to start at (default 1)")
-    parser.add_argument("--n", type=int, default=4, help="windows to print (default 4)")
-    parser.add_argument(
-        "--batches", type=int, default=0, help="batches (of [training] local_batch_size) read for the shares"
-    )
-    parser.add_argument(
-        "--json", action="store_true", help="print one JSON object: windows (token ids), source_shares, counters"
-    )
-    args, overrides = parser.parse_known_args(argv)
-    if args.step < 1 or args.world < 1 or not 0 <= args.rank < args.world:
-        parser.error(f"--step {args.step} (from 1), --rank {args.rank} of --world {args.world}: out of range")
-    try:
-        job = parse_config(["--job.config_file", args.config, *overrides])
-        show(job, args)
-    except (NoDataError, BadShardError, ValueError) as e:  # the message names the setting or shard
-        sys.exit(f"data.preview: {type(e).__name__}: {e}")
 
 
 def decode_marked(tokenizer: HuggingFaceTokenizer, ids: list[int]) -> str:
@@ -167,5 +138,5 @@ def print_text(tokenizer: HuggingFaceTokenizer, loader: ParquetDataLoader, r: di
             print(f"  {key}: {value:,}{share}")
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the command moved where the run's config can be parsed: say so, not run silently
+    sys.exit("the preview's command line is python -m mhar_titan.preview CONFIG [...] (mhar_titan/preview.py)")

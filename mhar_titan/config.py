@@ -19,7 +19,7 @@ from mhar_titan.model.args import MHAR
 MODEL_NAME = "llama3_mhar"
 CONFIG_MODULE = "mhar_titan.config"
 _CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-module")
-FLOAT8 = "quantize.linear.float8"  # the one model converter tested with both arms (README, "float8")
+FLOAT8 = "quantize.linear.float8"  # the one model converter tested with both arms (docs/memory.md, "float8")
 
 
 @dataclass
@@ -55,6 +55,7 @@ class EMA:
     """`[ema]`: an fp32 weight EMA, sharded like the parameters, checkpointed, validated and exportable."""
 
     enable: bool = True
+    """Keep the EMA (false: none is kept, checkpointed or validated; val/ce_ema is not logged)."""
     beta: float = 0.999
     """ema <- beta * ema + (1 - beta) * weights after every applied optimizer step."""
     every: int = 1

@@ -17,10 +17,10 @@ from mhar_titan.components.lr_schedule import build_lr_schedulers
 from mhar_titan.components.optimizer import build_optimizers
 from mhar_titan.components.validate import build_fixed_set_validator
 from mhar_titan.config import MODEL_NAME
+from mhar_titan.hf.ledger import LedgerStateDictAdapter
 from mhar_titan.model.args import FLAVORS
 from mhar_titan.model.model import MHARTransformer
 from mhar_titan.model.parallelize import parallelize
-from mhar_titan.model.state_dict_adapter import MHARStateDictAdapter
 
 
 def build_train_spec() -> TrainSpec:
@@ -35,7 +35,7 @@ def build_train_spec() -> TrainSpec:
         build_tokenizer_fn=build_hf_tokenizer,
         build_loss_fn=build_loss_fn,
         build_validator_fn=build_fixed_set_validator,
-        state_dict_adapter=MHARStateDictAdapter,
+        state_dict_adapter=LedgerStateDictAdapter,  # the model's, with the HF load's ledger
     )
 
 

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from mhar_titan.components.atomic import write_text
+from data.atomic import write_text
 
 
 def test_a_write_replaces_the_file_whole_with_opens_mode(tmp_path):

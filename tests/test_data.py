@@ -268,7 +268,7 @@ def test_loader_settings_are_checked():
 
 
 def test_preview_prints_windows_and_source_statistics():
-    cmd = [sys.executable, "-m", "data.preview", "configs/tiny_cpu.toml", "--training.seq_len", "32"]
+    cmd = [sys.executable, "-m", "mhar_titan.preview", "configs/tiny_cpu.toml", "--training.seq_len", "32"]
     out = subprocess.run([*cmd, "--n", "3", "--batches", "100", "--json"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     record = json.loads(out.stdout)

@@ -193,7 +193,7 @@ def test_the_preview_from_a_step_shows_that_stages_shares(sources, tmp_path):
         f'[data]\nmixture = [{mixture}]\nmixture_stages = ["101: web=0 code=1 math=3"]\nnum_streams = {STREAMS}\n'
         "check_shards = false\nvalidation_fraction = 0.02\n"
     )
-    cmd = [sys.executable, "-m", "data.preview", str(config), "--world", "2", "--json"]
+    cmd = [sys.executable, "-m", "mhar_titan.preview", str(config), "--world", "2", "--json"]
     out = {}
     for step in (1, 101):
         run = subprocess.run([*cmd, "--step", str(step), "--batches", "400"], cwd=REPO, capture_output=True, text=True)

@@ -268,7 +268,7 @@ def test_training_on_an_empty_corpus_stops_on_every_rank_naming_it(tmp_path):
 
 def test_preview_of_an_empty_corpus_exits_with_an_error_naming_it(tmp_path):
     folder = empty_corpus(tmp_path / "nothing")
-    cmd = [sys.executable, "-m", "data.preview", "configs/tiny_cpu.toml"]
+    cmd = [sys.executable, "-m", "mhar_titan.preview", "configs/tiny_cpu.toml"]
     cmd += ["--data.mixture", f"docstrings=1:{folder},code=1:{folder}"]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0

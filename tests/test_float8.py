@@ -1,4 +1,4 @@
-"""float8 as an option of the pair (README, "float8"): both arms through torchtitan's float8 converter (here torchao's
+"""float8 as an option of the pair (docs/memory.md): both arms through torchtitan's float8 converter (here torchao's
 emulation on CPU, the tensorwise recipe without compile), the MHAR arm at init computing what the control computes
 under float8 too, the parity benchmark, the run's fingerprint, the memory plan, and the refusals."""
 

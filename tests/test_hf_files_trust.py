@@ -14,7 +14,7 @@ import torch
 from conftest import REPO
 from tiny_runs import write_tiny_run
 
-from data import partial, prepare
+from data import atomic, prepare
 from mhar_titan.components.checksums import write_manifest
 from mhar_titan.hf import __main__ as hf_cli
 from mhar_titan.hf import export as hf_export
@@ -29,7 +29,7 @@ from mhar_titan.model.model import MHARTransformer
 from mhar_titan.model.state_dict_adapter import MHARStateDictAdapter
 
 TINY_ASSETS = REPO / "assets" / "tiny"
-HOST = partial.HOST  # as the writers name it
+HOST = atomic.HOST  # as the writers name it
 
 
 def _dead_pid() -> int:

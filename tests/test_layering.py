@@ -96,6 +96,29 @@ def test_no_import_cycles_anywhere():
     assert len(graph) > 60  # the walk saw the project, not an empty tree
 
 
+# Layers, bottom up, and what each may import of the project (function-local imports too): the data package
+# nothing of mhar_titan; the model (parallelize.py too) no components; the components no tool or entry point
+# above them (hf, compare, eval, preflight, the trainer, the config). Whatever both need lives in the lower one.
+MAY_IMPORT = {
+    "data": ("data", "kernels"),
+    "mhar_titan.model": ("mhar_titan.model", "kernels"),
+    "mhar_titan.components": ("mhar_titan.components", "mhar_titan.model", "mhar_titan.titan_compat", "data",
+                              "kernels"),
+}  # fmt: skip
+
+
+def test_no_import_runs_back_up_the_layers():
+    known = _modules()
+    upward = []
+    for layer, allowed in MAY_IMPORT.items():
+        for name, path in known.items():
+            if name == layer or name.startswith(layer + "."):
+                bad = [m for m in sorted(_imports(name, path, known)) if m != "mhar_titan" and not any(
+                    m == a or m.startswith(a + ".") for a in allowed)]  # fmt: skip
+                upward += [f"{name} imports {m}" for m in bad]
+    assert not upward, upward
+
+
 def test_model_code_imports_no_infrastructure():
     known = _modules()
     for name in MODEL_CODE:
@@ -133,7 +156,7 @@ def test_functions_are_short_and_the_trainer_reads_as_its_loop():
     assert trainer <= MAX_TRAINER_LINES, f"mhar_titan/trainer.py: {trainer} lines"
 
 
-def test_one_atomic_file_write_and_one_all_gather_of_python_objects():
+def test_one_atomic_write_one_check_of_a_writer_and_one_all_gather_of_python_objects():
     def users(text: str) -> list[str]:
         return sorted(
             str(path.relative_to(REPO))
@@ -141,8 +164,9 @@ def test_one_atomic_file_write_and_one_all_gather_of_python_objects():
             if not name.startswith("benchmarks") and text in path.read_text()
         )
 
-    assert users("os.replace(") == ["mhar_titan/components/atomic.py"]
-    assert users("all_gather_object(") == ["mhar_titan/components/collectives.py"]
+    assert users("os.replace(") == ["data/atomic.py"]  # below mhar_titan and data both
+    assert users("os.kill(") == ["data/atomic.py"]  # one way to tell a writer that is gone: its temporary siblings
+    assert users("all_gather_object(") == ["data/collectives.py"]
 
 
 def test_no_version_tags_in_code_comments():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
-from mhar_titan.components.collectives import gather_objects
+from data.collectives import gather_objects
 
 
 class BadSteps:

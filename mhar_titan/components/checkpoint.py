@@ -32,11 +32,10 @@ from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection
 
+from data.collectives import gather_objects
 from mhar_titan.components.checksums import verify_share, without_torch_crc32, write_manifest
-from mhar_titan.components.collectives import gather_objects
 from mhar_titan.components.dcp_io import ParallelFileSystemReader, PinnedStaging, StreamingFileSystemWriter
 from mhar_titan.components.run_checks import save_failure
-from mhar_titan.hf.ledger import build_ledger
 from mhar_titan.model.state_dict_adapter import OUR_ROUTING
 
 LEDGER_FILE = "load_ledger.json"
@@ -291,7 +290,9 @@ class CPTCheckpointManager(CheckpointManager):
             if MODEL in self.states:
                 self.states[MODEL].load_state_dict(state_dict)
             return
-        ledger = build_ledger(checkpoint_id, {k: v.shape for k, v in state_dict.items()}, self.sd_adapter)
+        # The train spec's adapter, mhar_titan.hf.ledger.LedgerStateDictAdapter, builds the ledger (components
+        # do not import hf): what the load does with each tensor, from the safetensors headers alone.
+        ledger = self.sd_adapter.ledger(checkpoint_id, {k: v.shape for k, v in state_dict.items()})
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         if rank0:
             logger.info(ledger.summary())

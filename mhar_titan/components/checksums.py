@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import xxhash
 
-from mhar_titan.components.atomic import write_text
+from data.atomic import write_text
 
 ALGORITHM = "xxh3_128"
 CHUNKS = f"{ALGORITHM}_chunks"  # an entry's per-chunk digests, in file order

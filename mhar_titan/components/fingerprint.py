@@ -26,10 +26,10 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from data.atomic import write_text
 from data.mixture import parse_mixture
 from data.stages import StageSchedule, parse_stages
 from data.stream import shard_keys
-from mhar_titan.components.atomic import write_text
 
 if TYPE_CHECKING:  # annotations only: the comparison reads fingerprints without loading torchtitan (and triton)
     from torchtitan.config import JobConfig

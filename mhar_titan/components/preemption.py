@@ -22,7 +22,7 @@ import time
 
 from torchtitan.tools.logging import logger
 
-from mhar_titan.components.atomic import write_text
+from data.atomic import write_text
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL
 DATA_EXHAUSTED_EXIT_CODE = 66  # EX_NOINPUT: not requeued (a relaunch would stop again at once)

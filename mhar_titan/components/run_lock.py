@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from data.partial import pid_alive, process_start
+from data.atomic import pid_alive, process_start
 
 LOCK_FILE = "run.lock"
 

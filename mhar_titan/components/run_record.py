@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torchtitan.config import JobConfig
 
-from mhar_titan.components.atomic import write_text
+from data.atomic import write_text
 
 MODEL_ARGS_FILE = "model_args.json"
 CONFIG_FILE = "config.resolved.toml"

@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 LOSS_TAG = "train/loss"
 PRIMARY_TAGS = {"raw": "val/ce", "ema": "val/ce_ema"}  # the first validation set's, whatever its name
 
-# Routing statistics (README "The MHAR arm"). TensorBoard groups charts by a tag's first component, so
+# Routing statistics (docs/recipe.md, "The MHAR arm"). TensorBoard groups charts by a tag's first component, so
 # each (sublayer, statistic) is a group of its own with one chart per layer, `mhar_<site>_<stat>/layerNN`
 # (32 charts at 8B, in depth order), and `mhar/<stat>/mean` (the mean over all sites) is the overview group.
 ROUTING_MEAN_STATS = ("gate", "entropy", "w_null", "w_embed", "w_deltas")

@@ -25,10 +25,10 @@ from torchtitan.config import JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.tools.logging import logger
 
+from data.atomic import write_text
 from data.loader import Encoder, ValidationLoader, data_config
 from data.mixture import parse_mixture, parse_validation_sets
 from data.shards import list_shards
-from mhar_titan.components.atomic import write_text
 from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.loss import cross_entropy_sum
 from mhar_titan.components.tensorboard_scalars import PRIMARY_TAGS, set_tags

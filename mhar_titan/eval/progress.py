@@ -17,7 +17,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from mhar_titan.components.atomic import write_text
+from data.atomic import write_text
 from mhar_titan.eval.pair import REPORT_END, REPORT_START, fmt, paired_rows, write_scalars, write_section
 from mhar_titan.eval.steps import ARMS
 from mhar_titan.eval.store import Key, Store

@@ -1,5 +1,5 @@
 """The watcher's results, kept in the pair folder (`<pair>/eval/store/`): one JSON file per arm, step, weights and
-task, written whole or not at all (components/atomic.write_text) once its evaluation has finished, so a watcher
+task, written whole or not at all (data/atomic.write_text) once its evaluation has finished, so a watcher
 killed at any moment leaves only finished results, and a restart evaluates exactly what is missing.
 
 `settings.json` (written with the first record) holds the settings the store was made with (tasks and their
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
-from mhar_titan.components.atomic import write_text
+from data.atomic import write_text
 from mhar_titan.components.run_lock import LOCK_FILE
 
 SETTINGS = "settings.json"

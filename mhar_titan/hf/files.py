@@ -19,8 +19,7 @@ import fsspec
 import torch
 from safetensors.torch import save_file
 
-from data.partial import clean_stale, sibling
-from mhar_titan.components.atomic import umask
+from data.atomic import clean_stale, sibling, umask
 from mhar_titan.model.args import MHAR
 from mhar_titan.model.hf_config import MHAR_ARCHITECTURE, MHAR_MODEL_TYPE
 
@@ -97,7 +96,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str) -> None:
 # output folders: written in a hidden sibling named for the output, this host and this process
 
 NAME_MAX = 255
-EXPORT = "export"  # the kind of sibling an export or init writes in (data/partial.py)
+EXPORT = "export"  # the kind of sibling an export or init writes in (data/atomic.py)
 
 
 def check_new_output(out_dir: str, verb: str = "export") -> None:

@@ -26,6 +26,7 @@ class MHAR:
     """`[mhar]`: delta multi-head attention residuals. The control arm has enable = false."""
 
     enable: bool = False
+    """Add the routing sites: the MHAR arm (false: the control, torchtitan's Llama-3 and no routing parameters)."""
     num_heads: int = 8
     """Routing heads H per site; must divide the model width."""
     num_blocks: int = 8
@@ -106,7 +107,7 @@ FLAVORS: dict[str, MHARModelArgs] = {
         rope_theta=500000,
         eos_id=1,
     ),
-    # Marin-8B (Llama-3.1 architecture): docs/design.md section 1.2.
+    # Marin-8B (Llama-3.1 architecture): docs/recipe.md, "Base model".
     "marin8b": MHARModelArgs(
         dim=4096,
         n_layers=32,

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
+from data.atomic import write_text
 from mhar_titan import plan
 from mhar_titan.compare.pair import compare
-from mhar_titan.components.atomic import write_text
 from mhar_titan.hf.export import init_hf
 from mhar_titan.hf.files import DTYPES
 from mhar_titan.preflight import checks, verdicts

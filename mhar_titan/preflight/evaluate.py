@@ -31,7 +31,7 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from mhar_titan.components.atomic import write_text  # noqa: E402
+from data.atomic import write_text  # noqa: E402
 from mhar_titan.eval.harness import TaskRefused, Tasks, one_line, run_harness  # noqa: E402
 from mhar_titan.eval.pair import ARMS, EvalFailed, evaluate_models, table_rows, write_outputs  # noqa: E402
 from mhar_titan.preflight.stages import Stage, failed, read_result  # noqa: E402

@@ -41,7 +41,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from mhar_titan.components.atomic import write_text
+from data.atomic import write_text
 from mhar_titan.eval.harness import one_line
 from mhar_titan.hf.run import export_run, load_run_checkpoint
 from mhar_titan.preflight.stages import Stage, failed, read_result

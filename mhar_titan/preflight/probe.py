@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mhar_titan.components.atomic import write_text
+from data.atomic import write_text
 from mhar_titan.preflight.determinism import attention_repeatable
 from mhar_titan.preflight.hardware import measure
 from mhar_titan.preflight.kernel_check import check_kernels

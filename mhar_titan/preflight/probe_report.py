@@ -20,7 +20,7 @@ from mhar_titan.preflight.stages import Stage, failed
 # The project's pins, as pyproject.toml's [project] dependencies (tests/test_preflight_probe.py
 # checks that they agree): the package does not read the repository's file at run time.
 PINS = {"torch": ">=2.11,<2.14", "triton": ">=3.6,<3.8", "torchtitan": "==0.2.2"}
-# What the kernels and the pipeline were tested on (README.md, "Training on GPUs"): device, torch,
+# What the kernels and the pipeline were tested on (docs/install.md, "Training on GPUs"): device, torch,
 # triton (any of), and the GPU model's name containing this (None: CPU).
 TESTED = (
     ("cuda", "==2.11.0+cu130", ("==3.6.0",), "H200"),

@@ -9,8 +9,8 @@ from typing import Any
 from mhar_titan.preflight.stages import markdown_table
 
 WHAT_TO_DO = {
-    "a": "install a torch, triton and torchtitan within the pins (README, Training on GPUs); give every rank the "
-    "same versions and GPU model",
+    "a": "install a torch, triton and torchtitan within the pins (docs/install.md); give every rank the same versions "
+    "and GPU model",
     "b": "the fused routing kernels are wrong or not repeatable on this stack: run "
     "`pytest tests/test_routing_triton.py` here and use `--mhar.backend torch` until they pass",
     "c": "a rank off the median: drain or replace that GPU or node (one slow rank sets the pace of every step)",
@@ -18,7 +18,7 @@ WHAT_TO_DO = {
     "e": "plan the real job with `python -m mhar_titan.plan` and a larger margin, or lighter activation checkpointing",
     "f": "both arms must load the same base: check `model.hf_assets_path` and the tokenizer in both configs",
     "g": "the exports are not read as the trained model: do not evaluate them; see logs/exports-<arm>.log",
-    "h": "see logs/evaluate.log; a task whose dataset is not cached must be cached first (README, Evaluating the pair)",
+    "h": "see logs/evaluate.log; a task whose dataset is not cached must be cached first (docs/pair.md)",
     "i": "the arms did not see the same schedule or data: the configs differ outside [mhar]",
 }
 

@@ -13,7 +13,7 @@ class Stage:
     """One row of the table: PASS or FAIL, the headline figure, the time taken; `details` are the report's
     markdown lines for the stage (what was measured, against what bound, and what to do about a FAIL)."""
 
-    key: str  # "a" .. "i", as the issue's and the README's list
+    key: str  # "a" .. "i", as docs/preflight.md lists them
     name: str
     ok: bool
     figure: str

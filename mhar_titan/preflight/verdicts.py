@@ -13,7 +13,7 @@ from mhar_titan.preflight.stages import Stage
 MEMORY_TOLERANCE = 0.05  # the plan's peak within 5% of the measured one (it is within 0.6% on one H200)
 START_NOISE_FRACTION = 0.1  # the arms' step-1 |delta loss| below a tenth of the control's batch-to-batch noise
 # A resumed job's gap from the uninterrupted one, over the gap between two relaunches of the same steps: at most
-# this (the README's preflight section gives this ratio as measured on an H100, and the faults').
+# this (docs/preflight.md gives this ratio as measured on an H100, and the faults').
 SPREAD_FACTOR = 10.0
 WARMUP_STEPS = 3  # the first steps of a job compile and warm up: out of the tokens/s
 
@@ -76,7 +76,7 @@ def _exact_problem(arm: str, check: dict[str, Any]) -> str | None:
 def resume_verdict(arm: str, check: dict[str, Any], losses: dict[int, float]) -> tuple[bool, str, list[str]]:
     """(passed, the figure, detail lines) for one arm's resume. Bitwise equal passes. Otherwise the rerun decides:
     what must be exact is (_exact_problem); each relaunch lies within SPREAD_FACTOR x the spread between the two
-    (rms of the judged values' scaled differences, README "Before a long run: preflight"); and every loss
+    (rms of the judged values' scaled differences, docs/preflight.md); and every loss
     difference is below START_NOISE_FRACTION of the run's batch noise."""
     steps = check["steps"]
     if not steps:

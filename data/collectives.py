@@ -1,5 +1,6 @@
 """The one all-gather of small Python values the project uses (checkpoint verdicts, data counters, a bad step's
-whereabouts): every rank's value on every rank, or just this one's without a process group."""
+whereabouts): every rank's value on every rank, or just this one's without a process group. Here, below
+mhar_titan, because the data loader needs it too."""
 
 from __future__ import annotations
 

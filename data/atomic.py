@@ -1,10 +1,14 @@
-"""Outputs built in a hidden sibling folder and renamed into place once complete, and the siblings that
-killed writers leave behind.
+"""Files and folders that appear whole or not at all, the one implementation of both (here, below mhar_titan,
+because data.prepare writes its output folders with it too).
 
-A sibling is named for its output, its kind, and its writer's PID and host: `.OUT.KIND-PID@HOST`. A
-later writer to the same output can then tell a killed writer's folder (this host, a process that is
-gone: removed, and said) from a live writer's (kept) or another host's (kept, and mentioned), and it
-touches nothing else. data.prepare and the HF export and init use it; the run lock asks `pid_alive`.
+- `write_text`: a small file that others read while it runs (fingerprints, checksums, markers, validation
+  records, run records, reports), written to a unique temporary beside it, fsynced, then renamed over it.
+- `sibling` and `clean_stale`: an output folder built in a hidden sibling and renamed into place by its
+  writer once complete (data.prepare, the HF export and init), and the siblings that killed writers leave.
+  A sibling is named for its output, its kind, and its writer's PID and host: `.OUT.KIND-PID@HOST`. A later
+  writer to the same output can then tell a killed writer's folder (this host, a process that is gone:
+  removed, and said) from a live writer's (kept) or another host's (kept, and mentioned), and it touches
+  nothing else. The run lock asks `pid_alive`.
 """
 
 from __future__ import annotations
@@ -13,9 +17,42 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 from collections.abc import Callable
 
 HOST = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write `text` to a temporary file beside `path`, fsync it, then rename it over `path`. A reader sees the
+    old file or the new one, never a part; a crash leaves the old one; two writers never share a temporary."""
+    folder = os.path.dirname(os.fspath(path)) or "."
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(os.fspath(path))}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes 0600: the mode `open` would have given, for teammates
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def umask() -> int:
+    """The process umask, read without changing it where Linux shows it (/proc/self/status)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (racy only against threads creating files now)
+    os.umask(mask)
+    return mask
 
 
 def process_start(pid: int) -> int | None:
