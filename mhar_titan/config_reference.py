@@ -12,6 +12,7 @@ import inspect
 import json
 import math
 import re
+import sys
 from dataclasses import MISSING, Field, dataclass, fields, is_dataclass
 from functools import cache
 from pathlib import Path
@@ -176,7 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, default=PAGE, help="where to write it (default: docs/config.md)")
     args = parser.parse_args(argv)
-    atomic.write_text(args.out, render())
+    try:
+        atomic.write_text(args.out, render())
+    except OSError as e:  # a folder that is not there, or not writable: one line naming it
+        sys.exit(f"{COMMAND}: cannot write {args.out}: {e.strerror or e}")
     print(f"wrote {args.out}")
 
 

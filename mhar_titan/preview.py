@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         job = parse_config(["--job.config_file", args.config, *overrides])
         show(job, args)
-    except (NoDataError, BadShardError, ValueError) as e:  # the message names the setting or shard
+    except (NoDataError, BadShardError, ValueError, OSError) as e:  # the message names the setting, shard or file
         sys.exit(f"mhar_titan.preview: {type(e).__name__}: {e}")
 
 

@@ -5,6 +5,7 @@ key of this project's sections has a description."""
 import re
 from dataclasses import fields, is_dataclass
 
+import pytest
 from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TitanJobConfig
 
@@ -76,3 +77,11 @@ def test_the_page_marks_what_is_ours():
     assert by_name["checkpoint"].origin == reference.BOTH
     row = page_tables(reference.render())["checkpoint"]["keep_every"]
     assert row[0] == f"`keep_every` ({reference.OURS})"
+
+
+def test_a_folder_that_is_not_there_is_one_line_naming_it(tmp_path, capsys):
+    out = tmp_path / "absent" / "config.md"
+    with pytest.raises(SystemExit) as e:
+        reference.main(["--out", str(out)])
+    assert str(out) in str(e.value) and "No such file or directory" in str(e.value) and "\n" not in str(e.value)
+    assert not out.parent.exists()

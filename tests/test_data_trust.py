@@ -22,6 +22,7 @@ from data.config import DataConfig
 from data.loader import ParquetDataLoader, ValidationLoader
 from data.shards import BadShardError, NoDataError, check_shards, list_shards
 from data.stream import _RateLimitedLog
+from mhar_titan.preview import main as preview_main
 
 WINDOW = BATCH * (SEQ + 1)
 
@@ -346,3 +347,9 @@ def test_a_state_whose_head_document_is_gone_is_refused_naming_it(long_corpus):
     resumed.load_state_dict({**state, "stream_00001": json.dumps(head)})
     with pytest.raises(ValueError, match=r"stream 1: the state's head \(epoch 0, .*shard-0\d.parquet, row group"):
         take(resumed, 2)
+
+
+def test_the_preview_of_a_config_that_is_not_there_is_one_line_naming_it(capsys):
+    with pytest.raises(SystemExit) as e:
+        preview_main(["configs/not_there.toml"])
+    assert "configs/not_there.toml" in str(e.value) and "\n" not in str(e.value)
