@@ -133,11 +133,10 @@ class CPTTrainer(RunFolder, Trainer):
                     timeout = timedelta(seconds=cfg.comm.train_timeout_seconds)
                     dist_utils.set_pg_timeouts(timeout=timeout, parallel_dims=self.parallel_dims)
                     first = False
-        # Every rank done with its collectives before any tears down, and rank 0 last out, as in
-        # torchtitan's loop: a rank leaving early can abort a peer still closing its gloo pairs.
+        # Every rank done with its collectives before any tears down: a rank leaving early can abort a peer
+        # still inside one. torchtitan's loop also sleeps 2 s on rank 0, for a store that rank 0 would host;
+        # under torchrun the agent hosts it, so no rank's exit takes it away.
         torch.distributed.barrier()
-        if torch.distributed.get_rank() == 0:
-            time.sleep(2)
         logger.info("Training completed")
 
     def _start(self) -> None:

@@ -16,16 +16,20 @@ if not torch.cuda.is_available():
 
 import kernels.triton.launch as rt  # noqa: E402  (after TRITON_INTERPRET is set)
 
+# Each xdist worker takes its share of the cores for the tests that compute in its own process (the jobs the
+# tests launch run their ranks single-threaded, OMP_NUM_THREADS=1): two workers of two threads each on two
+# cores spend their time preempting each other.
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 # The files that take longest on two CPU cores (`pytest --durations=0`, docs/performance.md), longest first.
 # `make test` runs `--dist loadfile --no-loadscope-reorder`: the workers take whole files in collection order,
 # so starting with the longest leaves the short ones to fill the end (the suite takes as long as its slower
 # worker); xdist's own reorder goes by the number of tests in a file, not by their time.
 SLOWEST_FIRST = (
-    "test_preflight.py", "test_train_resume.py", "test_cluster_run.py", "test_hf_distributed.py",
-    "test_preflight_verdicts.py",
-    "test_train_stages.py", "test_recipe_train.py", "test_float8.py", "test_train_mhar.py",
-    "test_preflight_probe.py", "test_eval_watch.py", "test_routing_triton.py", "test_pair_demo.py",
-    "test_data_mixture.py",
+    "test_preflight.py", "test_preflight_verdicts.py", "test_train_resume.py", "test_cluster_run.py",
+    "test_hf_distributed.py", "test_routing_triton.py", "test_train_stages.py", "test_float8.py",
+    "test_train_mhar.py", "test_recipe_train.py", "test_pair_demo.py", "test_preflight_exports.py",
+    "test_preflight_probe.py", "test_eval_watch.py", "test_routing_pair.py", "test_data_mixture.py",
 )  # fmt: skip
 
 
