@@ -16,11 +16,6 @@ if not torch.cuda.is_available():
 
 import kernels.triton.launch as rt  # noqa: E402  (after TRITON_INTERPRET is set)
 
-# Each xdist worker takes its share of the cores for the tests that compute in its own process (the jobs the
-# tests launch run their ranks single-threaded, OMP_NUM_THREADS=1): two workers of two threads each on two
-# cores spend their time preempting each other.
-torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
-
 # The files that take longest on two CPU cores (`pytest --durations=0`, docs/performance.md), longest first.
 # `make test` runs `--dist loadfile --no-loadscope-reorder`: the workers take whole files in collection order,
 # so starting with the longest leaves the short ones to fill the end (the suite takes as long as its slower

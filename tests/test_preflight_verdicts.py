@@ -155,6 +155,7 @@ def test_the_seam_refuses_an_unknown_fault(monkeypatch):
 def cpu_spread(tmp_path_factory):
     out = tmp_path_factory.mktemp("spread")
     configs = [str(REPO / "configs" / name) for name in ("tiny_cpu.toml", "tiny_cpu_mhar.toml")]
+    # 8 steps, the fewest the preflight takes (checkpoint at 4, kill after 6): each fault shows by step 6
     cmd = [
         sys.executable,
         "-m",
@@ -163,7 +164,7 @@ def cpu_spread(tmp_path_factory):
         "--reruns",
         "2",
         "--steps",
-        "16",
+        "8",
         "--out",
         str(out),
     ]
@@ -180,10 +181,10 @@ def test_on_cpu_ranks_clean_relaunches_are_bitwise_and_every_fault_fails(cpu_spr
     assert set(result["pairwise_rms"].values()) == {0.0}  # CPU ranks repeat the job bit for bit
     assert rows["clean", "rerun1"]["passed"] and rows["clean", "rerun1"]["equal"]
     says = {
-        "moments": "at step 10 (",  # step 9's update used zeroed moments: the first loss it changes is step 10's
-        "ema": "at step 12 (val/ce_ema",  # the EMA shows only in its validation, at the kill step
-        "data": "data/docs differs from the killed job's at step 9",
-        "lr": "lr/decay differs from the killed job's at step 9",
+        "moments": "at step 6 (",  # step 5's update used zeroed moments: the first values it changes are step 6's
+        "ema": "at step 6 (val/ce_ema",  # the EMA shows only in its validation, at the kill step
+        "data": "data/docs differs from the killed job's at step 5",
+        "lr": "lr/decay differs from the killed job's at step 5",
     }
     for fault, text in says.items():
         row = rows[fault, f"{fault}-a"]
