@@ -70,14 +70,18 @@ def test_the_mhar_arm_was_killed_and_resumed_as_a_user_would_see_it(full):
     assert not (root / "exports").exists() and not (root / "base").exists()
 
 
-def test_a_perturbed_kernel_fails_its_stage_and_the_exit_code(tmp_path):
-    done = preflight(tmp_path, "--stages", "ab", env={"MHAR_PREFLIGHT_PERTURB_KERNEL": "1e-2"})
+def test_a_perturbed_kernel_fails_its_stage_only_and_the_exit_code(tmp_path):
+    """The kernel test seam (MHAR_PREFLIGHT_PERTURB_KERNEL) through the whole CLI: stage b fails naming the
+    tensor and its bound, a and c pass, the exit code is 1 (tests/test_preflight_probe.py judges rank files)."""
+    done = preflight(tmp_path, "--stages", "abc", env={"MHAR_PREFLIGHT_PERTURB_KERNEL": "1e-2"})
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     table = rows(done.stdout)
-    assert table["a"][0] == "PASS" and table["b"][0] == "FAIL", table
+    assert (table["a"][0], table["b"][0], table["c"][0]) == ("PASS", "FAIL", "PASS"), table
+    assert "2 sources: out_a error" in table["b"][1] and "x its bound" in table["b"][1]
     assert "FAIL (b)" in done.stdout
     (report,) = tmp_path.glob("*/report.md")
-    assert "## b. kernels: FAIL" in report.read_text()
+    section = report.read_text().split("## b. kernels: FAIL", 1)[1]
+    assert "Test seam on: outputs perturbed by 0.01 x max|output|" in section.split("\n## ", 1)[0]
 
 
 @pytest.mark.parametrize(
