@@ -12,7 +12,9 @@ One arm (MHAR, `--arm control` for the other) is set up exactly as the preflight
 configs' base or a random one of their architecture at the depth the GPUs hold, 40 steps, the checkpoint at 20,
 the kill after the validation at 30): the first job, killed; then `--reruns` clean relaunches from its checkpoint,
 each killed at the same point; then, for each fault, two relaunches with the test seam MHAR_TEST_RESUME_FAULT set
-(components/resume_faults.py), as the preflight would run a pipeline with that fault. The verdict
+(components/resume_faults.py), as the preflight would run a pipeline with that fault. Where the clean relaunches
+repeat bit for bit (CPU ranks), `--fault-relaunches 1` runs one a fault and judges it against itself: the
+verdict a second, identical relaunch would give. The verdict
 (verdicts.resume_verdict) is then taken for every ordered pair of clean relaunches as (resumed, rerun), and for
 each fault's pair, and printed with each ratio; OUT/resume_spread.json holds every figure. Nothing else of the
 preflight runs, so the relaunches share one checkpoint and one base.
@@ -46,6 +48,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--reruns", type=int, default=3, help="clean relaunches (at least 2)")
     p.add_argument("--faults", default="moments,ema,data,lr", help=f"comma-separated, among {', '.join(FAULTS)}")
     p.add_argument("--arm", choices=cli.ARMS, default="mhar", help="the arm killed and relaunched (default mhar)")
+    p.add_argument(
+        "--fault-relaunches",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="relaunches a fault (default 2); 1 only where the clean relaunches repeat bit for bit",
+    )
     ours, rest = p.parse_known_args(argv)
     faults = [f for f in ours.faults.split(",") if f]
     if ours.reruns < 2:
@@ -57,9 +66,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def judge(runs: dict, clean: list[str], faults: list[str], checkpoint_at: int, arm: str) -> list[dict]:
-    """The verdict for every ordered pair of clean relaunches as (resumed, rerun), and for each fault's two."""
+    """The verdict for every ordered pair of clean relaunches as (resumed, rerun), and for each fault's two (its one
+    against itself where only one ran)."""
     killed = runs["killed"]
-    pairs = [(a, b, None) for a, b in itertools.permutations(clean, 2)] + [(f"{f}-a", f"{f}-b", f) for f in faults]
+    pairs = [(a, b, None) for a, b in itertools.permutations(clean, 2)]
+    pairs += [(f"{f}-a", f"{f}-b" if f"{f}-b" in runs else f"{f}-a", f) for f in faults]
     rows = []
     for resumed, rerun, fault in pairs:
         check = resume_check(killed, runs[resumed], checkpoint_at, runs[rerun])
@@ -79,6 +90,17 @@ def pairwise(runs: dict, names: list[str], checkpoint_at: int) -> dict[str, floa
     tags = [t for t in compared_tags(killed) if t in JUDGED or t.startswith(JUDGED_PREFIXES)]
     scale = {t: max((abs(v) for k, v in killed[t].items() if k in steps), default=0.0) or 1.0 for t in tags}
     return {f"{a}~{b}": gap(runs[a], runs[b], tags, steps, scale)["rms"] for a, b in itertools.combinations(names, 2)}
+
+
+def bitwise(runs: dict, clean: list[str], checkpoint_at: int) -> None:
+    """Refuse --fault-relaunches 1 unless the clean relaunches logged the same values, bit for bit: only then is a
+    fault's second relaunch known to repeat its first."""
+    for a, b in itertools.combinations(clean, 2):
+        check = resume_check(runs[a], runs[b], checkpoint_at)
+        if not check["equal"]:
+            raise ValueError(f"--fault-relaunches 1: the clean relaunches {a} and {b} differ in "
+                             f"{check['differing_values']} values from step {check['first_differing_step']}; "
+                             "here a fault needs two relaunches (the default)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -121,8 +143,10 @@ def measure(ours: argparse.Namespace, rest: list[str]) -> None:
         relaunch("killed")
         for i in range(ours.reruns):
             relaunch(f"rerun{i + 1}")
+        if ours.fault_relaunches == 1:
+            bitwise(runs, [f"rerun{i + 1}" for i in range(ours.reruns)], s.checkpoint_at)
         for fault in ours.faults:
-            for j in "ab":
+            for j in "ab"[: ours.fault_relaunches]:
                 relaunch(f"{fault}-{j}", fault)
     finally:
         pf.drop_checkpoints(s, ours.arm)

@@ -88,12 +88,13 @@ def test_an_allowed_schedule_change_is_applied_from_the_first_resumed_step(base,
     run, corpus = base
     resumed = copy_run(run, tmp_path / "run", drop=(7,))
     changed = ("--optimizer.lr", "1e-3", "--optimizer.weight_decay", "0.1", "--lr_scheduler.warmup_steps", "10")
-    args = ("--training.steps", "8", *STEPS, "--lr_scheduler.total_steps", "12", *mixture(corpus), *changed)
+    args = ("--training.steps", "8", *STEPS, "--lr_scheduler.total_steps", "14", *mixture(corpus), *changed)
     proc = torchrun(resumed, *args, "--checkpoint.allow_changes", "schedule")
     log = proc.stdout + proc.stderr
+    assert "The run resumes from its checkpoint" in log and "schedule.decay_end: 12 in the run, 14 now" in log
     assert "schedule.weight_decay: 0.05 in the run, 0.1 now" in log
     assert "optimizer group decay: peak lr 0.003 -> 0.001, weight_decay 0.05 -> 0.1, lr of step 7" in log
-    factor = {s: lr_factor(s, warmup_steps=10, decay_start=10, decay_end=12, decay_type="linear", min_lr_factor=0.1)
+    factor = {s: lr_factor(s, warmup_steps=10, decay_start=10, decay_end=14, decay_type="linear", min_lr_factor=0.1)
               for s in (6, 7)}  # fmt: skip
     lr = read_scalars(resumed, "lr/decay")
     # as TensorBoard stores it (float32); not 3e-3 x the old warmup's factor
@@ -103,8 +104,11 @@ def test_an_allowed_schedule_change_is_applied_from_the_first_resumed_step(base,
     assert state["lr_scheduler"]["base_lrs"] == [1e-3, 1e-3]
     start = json.loads((resumed / "starts.jsonl").read_text().splitlines()[-1])
     assert "schedule.lr: 0.003 in the run, 0.001 now" in start["changes"]
+    history = json.loads((resumed / "fingerprint.json").read_text())["history"]  # kept in the fingerprint
+    assert [(h["step"], h["changes"]) for h in history] == [(6, [c for c in start["changes"] if "schedule." in c])]
     # the fingerprint now holds the values trained with: the same settings resume without allow_changes
     torchrun(resumed, *args[:1], "9", *args[2:])
+    assert json.loads((resumed / "fingerprint.json").read_text())["history"] == history
 
 
 def test_a_corpus_rewritten_in_place_is_refused_before_the_run_is_touched(base, tmp_path):

@@ -19,6 +19,7 @@ from data.config import DataConfig
 from data.loader import Encoder, ParquetDataLoader, ValidationLoader
 from data.shards import BadShardError, held_out, list_shards, read_row_group, shard_info
 from data.stream import _permutation, epoch_streams, shard_keys
+from mhar_titan.preview import main as preview_main
 
 SEQ, BATCH = 16, 2
 ENCODE = Encoder(HuggingFaceTokenizer(str(REPO / "assets" / "tiny")))
@@ -267,16 +268,17 @@ def test_loader_settings_are_checked():
         ParquetDataLoader(DataConfig(num_streams=4), ["x"], ENCODE, SEQ, BATCH, 0, 3)
 
 
-def test_preview_prints_windows_and_source_statistics():
-    cmd = [sys.executable, "-m", "mhar_titan.preview", "configs/tiny_cpu.toml", "--training.seq_len", "32"]
-    out = subprocess.run([*cmd, "--n", "3", "--batches", "100", "--json"], cwd=REPO, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    record = json.loads(out.stdout)
+def test_preview_prints_windows_and_source_statistics(monkeypatch, capsys):
+    """`python -m mhar_titan.preview`'s main in this process (tests/test_data_trust.py runs the command)."""
+    monkeypatch.chdir(REPO)
+    preview_main(["configs/tiny_cpu.toml", "--training.seq_len", "32", "--n", "3", "--batches", "100", "--json"])
+    record = json.loads(capsys.readouterr().out)
     assert [w["window"] for w in record["windows"]] == [0, 1, 2] and all(len(w["ids"]) == 33 for w in record["windows"])
     shares = record["source_shares"]
     assert set(shares) == {"docstrings", "code"} and abs(shares["docstrings"] - 0.7) < 0.02, shares
     assert record["batches"] == 100 and record["counters"]["mixture/code/tokens"] > 0
-    text = subprocess.run([*cmd[:4], "--n", "8"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    preview_main(["configs/tiny_cpu.toml", "--n", "8"])
+    text = capsys.readouterr().out
     assert "--- window 1" in text and "end of document" in text and "source docstrings:" in text
     assert "% of tokens (weight 70.0%)" in text
 

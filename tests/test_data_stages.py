@@ -3,8 +3,6 @@ each rank, the step of a window the same on any number of ranks, exact resume be
 from 2 ranks to 1), the refusals, the fingerprint, the counters, and the preview from a step."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from data.mixture import bounds, phase, pick
 from data.stages import parse_stages, stream_batches_before
 from mhar_titan.components import fingerprint
 from mhar_titan.config import parse_config
+from mhar_titan.preview import main as preview_main
 
 WEIGHTS = {"web": 0.6, "code": 0.3, "math": 0.1}
 
@@ -183,7 +182,7 @@ class SimpleJob:
         self.training = type("T", (), {"local_batch_size": BATCH})()
 
 
-def test_the_preview_from_a_step_shows_that_stages_shares(sources, tmp_path):
+def test_the_preview_from_a_step_shows_that_stages_shares(sources, tmp_path, capsys):
     mixture = ", ".join(f'"{n}={w}:{sources[n]}"' for n, w in WEIGHTS.items())
     config = tmp_path / "staged.toml"
     config.write_text(
@@ -193,12 +192,10 @@ def test_the_preview_from_a_step_shows_that_stages_shares(sources, tmp_path):
         f'[data]\nmixture = [{mixture}]\nmixture_stages = ["101: web=0 code=1 math=3"]\nnum_streams = {STREAMS}\n'
         "check_shards = false\nvalidation_fraction = 0.02\n"
     )
-    cmd = [sys.executable, "-m", "mhar_titan.preview", str(config), "--world", "2", "--json"]
     out = {}
-    for step in (1, 101):
-        run = subprocess.run([*cmd, "--step", str(step), "--batches", "400"], cwd=REPO, capture_output=True, text=True)
-        assert run.returncode == 0, run.stderr[-2000:]
-        out[step] = json.loads(run.stdout)
+    for step in (1, 101):  # the command's main (tests/test_data_trust.py runs `python -m mhar_titan.preview`)
+        preview_main([str(config), "--world", "2", "--json", "--step", str(step), "--batches", "400"])
+        out[step] = json.loads(capsys.readouterr().out)
     assert [st["stage"] for st in out[1]["stages"]] == [1, 2] and [st["stage"] for st in out[101]["stages"]] == [2]
     shares = out[101]["stages"][0]["source_shares"]
     assert shares["web"] == 0 and abs(shares["math"] - 0.75) < 0.02 and abs(shares["code"] - 0.25) < 0.02

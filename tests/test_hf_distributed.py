@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from data.loader import ParquetDataLoader, data_config, source_shards
 from mhar_titan.components.tensorboard_scalars import read_scalars
 from mhar_titan.config import parse_config
+from mhar_titan.hf import __main__ as hf_cli
 from mhar_titan.hf.ledger import read_json
 from mhar_titan.hf.load import load_hf_model
 from mhar_titan.hf.run import load_run_checkpoint
@@ -88,8 +89,7 @@ def test_distributed_hf_load_ledger_loss_and_export(base, tmp_path, arm):
         want.update(load_file(shard))
     for which in ("raw", "ema"):
         out = tmp_path / f"export-{which}"
-        cmd = [sys.executable, "-m", "mhar_titan.hf", "export", str(run), str(out), "--dtype", "fp32"]
-        subprocess.run(cmd + (["--ema"] if which == "ema" else []), cwd=REPO, check=True, capture_output=True)
+        hf_cli.main(["export", str(run), str(out), "--dtype", "fp32", *(["--ema"] if which == "ema" else [])])
         got = {}
         for shard in out.glob("*.safetensors"):
             got.update(load_file(shard))
@@ -115,8 +115,9 @@ def test_the_base_is_loaded_with_periodic_checkpoints_off(base, tmp_path):
 
 
 def test_trained_mhar_export_loads_with_remote_code_and_matches(base, tmp_path):
-    """A few high-LR steps open the gates; the export, built by transformers from its own modeling
-    files, computes the run's logits, and load_hf_model reads it back with its own settings."""
+    """A few high-LR steps open the gates; the export (`python -m mhar_titan.hf export`, as a user runs it; the
+    tests above call its main), built by transformers from its own modeling files, computes the run's logits, and
+    load_hf_model reads it back with its own settings."""
     run = tmp_path / "run"
     steps = ["--training.steps", "4", "--optimizer.lr", "0.05", "--lr_scheduler.warmup_steps", "1"]
     torchrun(run, *from_base(base), *steps, "--validation.no-enable", config="configs/tiny_cpu_mhar.toml")

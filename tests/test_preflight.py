@@ -11,6 +11,7 @@ import pytest
 from conftest import REPO
 
 from mhar_titan.config import parse_config
+from mhar_titan.preflight import cli
 from mhar_titan.preflight.pair import PairSettings, moved_stages
 from mhar_titan.preflight.resume import resume_check
 from mhar_titan.preflight.verdicts import speed_memory_stage, start_stage
@@ -97,18 +98,23 @@ def test_a_perturbed_kernel_fails_its_stage_only_and_the_exit_code(tmp_path):
     ],
     ids=["wrong-base-path", "data-matches-nothing", "data-folder-absent", "gpu-too-small"],
 )
-def test_bad_input_is_one_line_before_any_training(tmp_path, args, says):
-    done = preflight(tmp_path, "--stages", "d", *args)
-    assert done.returncode == 2, done.stdout + done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and says in lines[0], done.stderr
+def test_bad_input_is_one_line_before_any_training(tmp_path, capsys, args, says):
+    """The CLI's main in this process (the last test runs it as its own process, as a user does)."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main([*CONFIGS, "--out", str(tmp_path), "--stages", "d", *args])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m mhar_titan.preflight: ") and says in lines[0], err
     assert not list(tmp_path.glob("*/pair/*/checkpoint")) and not list(tmp_path.glob("*/logs/*-killed.log"))
 
 
-def test_two_control_configs_are_not_a_pair(tmp_path):
+def test_two_control_configs_are_not_a_pair_one_line_from_the_command(tmp_path):
     cmd = [sys.executable, "-m", "mhar_titan.preflight", CONFIGS[0], CONFIGS[0], "--out", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    assert done.returncode == 2 and "must have [mhar] enable = false" in done.stderr
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "must have [mhar] enable = false" in lines[0], done.stderr
 
 
 def test_a_resume_that_differs_is_named_by_step_and_tag():

@@ -12,6 +12,7 @@ from itertools import permutations
 import pytest
 from conftest import REPO
 
+from benchmarks import resume_spread
 from mhar_titan.components import resume_faults
 from mhar_titan.preflight.resume import resume_check
 from mhar_titan.preflight.verdicts import SPREAD_FACTOR, pair_stage, resume_verdict, spread_ratio
@@ -140,6 +141,17 @@ def test_the_stage_names_the_arm_and_step_of_a_fault():
     assert stage.figure.startswith("mhar: the resumed job's lr/decay differs from the killed job's at step 21")
 
 
+def test_one_relaunch_a_fault_is_refused_where_the_clean_relaunches_differ():
+    killed = run(1e-5, 0)
+    runs = {"killed": killed, "rerun1": run(1e-5, 1), "rerun2": run(1e-5, 2)}
+    with pytest.raises(ValueError, match="rerun1 and rerun2 differ in .* values from step 22; here a fault needs two"):
+        resume_spread.bitwise(runs, ["rerun1", "rerun2"], 20)
+    resume_spread.bitwise({**runs, "rerun2": runs["rerun1"]}, ["rerun1", "rerun2"], 20)  # bitwise: allowed
+    faulty = {**runs, "lr-a": run(1e-5, 1, lr_shift=1e-9)}
+    row = resume_spread.judge(faulty, ["rerun1", "rerun2"], ["lr"], 20, "mhar")[-1]
+    assert (row["resumed"], row["rerun"], row["passed"]) == ("lr-a", "lr-a", False), row
+
+
 def test_the_seam_refuses_an_unknown_fault(monkeypatch):
     monkeypatch.setenv(resume_faults.ENV, "optimiser")
     with pytest.raises(ValueError, match="MHAR_TEST_RESUME_FAULT='optimiser': one of data, moments, lr, ema"):
@@ -155,7 +167,8 @@ def test_the_seam_refuses_an_unknown_fault(monkeypatch):
 def cpu_spread(tmp_path_factory):
     out = tmp_path_factory.mktemp("spread")
     configs = [str(REPO / "configs" / name) for name in ("tiny_cpu.toml", "tiny_cpu_mhar.toml")]
-    # 8 steps, the fewest the preflight takes (checkpoint at 4, kill after 6): each fault shows by step 6
+    # 8 steps, the fewest the preflight takes (checkpoint at 4, kill after 6): each fault shows by step 6; one
+    # relaunch a fault, judged against itself, as CPU ranks repeat a job bit for bit (checked before the faults run)
     cmd = [
         sys.executable,
         "-m",
@@ -165,6 +178,8 @@ def cpu_spread(tmp_path_factory):
         "2",
         "--steps",
         "8",
+        "--fault-relaunches",
+        "1",
         "--out",
         str(out),
     ]
@@ -188,7 +203,8 @@ def test_on_cpu_ranks_clean_relaunches_are_bitwise_and_every_fault_fails(cpu_spr
     }
     for fault, text in says.items():
         row = rows[fault, f"{fault}-a"]
-        assert not row["passed"] and text in row["figure"], row
+        assert not row["passed"] and text in row["figure"] and row["rerun"] == f"{fault}-a", row
+        assert "repeats exactly here" in row["figure"] or "differs from the killed job's" in row["figure"], row
     logs = {p.name: p.read_text() for p in (root / "logs").glob("mhar-*.log")}
-    assert all("TEST FAULT" in logs[f"mhar-{f}-{j}.log"] for f in says for j in "ab")
+    assert all("TEST FAULT" in logs[f"mhar-{f}-a.log"] for f in says)
     assert not any("TEST FAULT" in text for name, text in logs.items() if "rerun" in name or "killed" in name)
