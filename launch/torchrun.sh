@@ -119,7 +119,7 @@ if [[ $nnodes -gt 1 ]]; then
 else
   rdzv=(--standalone --nnodes=1)
 fi
-cmd=("$python" -m torch.distributed.run
+cmd=("$python" -m mhar_titan.launch
   "${rdzv[@]}" --nproc-per-node="$nproc"
   --local-ranks-filter=0 --role=rank --tee=3
   "$repo/train_cpt.py" --job.config_file "$config" "$@")

@@ -12,12 +12,11 @@ from torchtitan.tools.logging import init_logger, logger
 
 from mhar_titan import cpu
 from mhar_titan.components import run_record
+from mhar_titan.components.exit_codes import REFUSED as REFUSED_EXIT_CODE
 from mhar_titan.components.run_lock import LockHeld
 from mhar_titan.config import parse_config
 from mhar_titan.train_spec import train_spec
 from mhar_titan.trainer import CPTTrainer
-
-REFUSED_EXIT_CODE = 2  # bad input, found before any work
 
 
 @contextlib.contextmanager

@@ -63,11 +63,12 @@ def torchrun(
     check: bool = True,
     timeout: int = 600,
 ):
-    """Run `script` (train_cpt.py) under torchrun on `nproc` local processes; fail with its output."""
+    """Run `script` (train_cpt.py) under torchrun (mhar_titan.launch) on `nproc` local processes; fail with its
+    output."""
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "mhar_titan.launch",  # torchrun keeping the trainer's exit codes, as launch/torchrun.sh runs it
         "--standalone",
         f"--nproc-per-node={nproc}",
         str(REPO / script),

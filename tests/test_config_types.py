@@ -114,22 +114,16 @@ def test_every_repo_config_and_its_resolved_form_pass(tmp_path, name):
 
 
 def test_torchrun_of_train_cpt_exits_naming_the_file_section_and_key(tmp_path):
-    """The production entry point: the message reaches the job's output and the job fails at once."""
+    """The production entry point (launch/torchrun.sh): the message reaches the job's output, alone, and the job
+    exits 2 at once."""
     bad = _variant(tmp_path, "[ema]\nenable = true", '[ema]\nenable = "false"')
     bad.write_text(bad.read_text().replace("\nfreq = 25 ", "\nfreqq = 25 "))  # fails fast before the fix too
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
-    cmd = [
-        *torchrun,
-        str(REPO / "train_cpt.py"),
-        "--job.config_file",
-        str(bad),
-        "--job.dump_folder",
-        str(tmp_path / "run"),
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [str(REPO / "launch" / "torchrun.sh"), "--nproc", "1", str(bad), "--job.dump_folder", str(tmp_path / "run")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    assert proc.returncode == 2, output[-3000:]
+    assert "Traceback" not in output and "ChildFailedError" not in output
     assert f'{bad}: [ema] enable = "false": expected a boolean (true or false), got a string' in output, output[-3000:]
     assert re.search(rf'{re.escape(str(bad))}: \[validation\] freqq = 25: unknown key.*"freq"', output)
     assert not (tmp_path / "run").exists()  # refused before the job wrote anything

@@ -231,7 +231,7 @@ def test_a_run_whose_source_runs_out_under_stop_ends_short_with_a_checkpoint_and
     args += ("--data.on_source_exhausted", "stop", "--training.steps", "30", "--checkpoint.interval", "50")
     proc = torchrun(run, *mixture, *args, check=False)
     log = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "Training completed" not in log  # not a finished run: not requeued either
+    assert proc.returncode == 66 and "Training completed" not in log  # not a finished run: not requeued either
     stopped = re.search(
         r"source\(s\) tiny read to their end .* the run stops at step (\d+) of 30, with a checkpoint", log
     )
@@ -242,7 +242,7 @@ def test_a_run_whose_source_runs_out_under_stop_ends_short_with_a_checkpoint_and
     assert f"step {step + 1}/30" not in log
     again = torchrun(run, *mixture, *args, check=False)  # a relaunch stops before training a step
     log = again.stdout + again.stderr
-    assert again.returncode != 0 and f"the run stopped at step {step} of 30, before training any step" in log
+    assert again.returncode == 66 and f"the run stopped at step {step} of 30, before training any step" in log
     assert f"step {step + 1}/30" not in log and "Training starts" not in log
 
 

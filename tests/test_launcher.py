@@ -4,6 +4,7 @@ Dry runs check the exact commands; a fake interpreter (PYTHON=...) stands in for
 the preemption protocol: a signal becomes <dump_folder>/STOP, and a new preempted.json becomes exit 75.
 """
 
+import logging
 import os
 import shlex
 import shutil
@@ -14,18 +15,21 @@ import time
 
 import pytest
 from conftest import REPO
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from mhar_titan import launch
 
 SCRIPT = str(REPO / "launch" / "torchrun.sh")
 SBATCH = str(REPO / "launch" / "slurm.sbatch")
 PAIR = str(REPO / "launch" / "pair.sh")
 CONTROL, MHAR = "configs/tiny_cpu.toml", "configs/tiny_cpu_mhar.toml"
 
-# Stands in for python: `-m torch.distributed.run ... --job.dump_folder D ...` acts as torchrun
-# would under the trainer (FAKE_MODE: wait_stop, preempt, exit0, exit3); anything else goes to
+# Stands in for python: `-m mhar_titan.launch ... --job.dump_folder D ...` acts as the launcher
+# would under the trainer (FAKE_MODE: wait_stop, preempt, exit0, exit3, exit66); anything else goes to
 # the real interpreter.
 FAKE_PYTHON = f"""#!/usr/bin/env bash
 set -euo pipefail
-if [[ "${{1:-}}" != -m || "${{2:-}}" != torch.distributed.run ]]; then
+if [[ "${{1:-}}" != -m || "${{2:-}}" != mhar_titan.launch ]]; then
   exec {shlex.quote(sys.executable)} "$@"
 fi
 dump="" prev=""
@@ -43,6 +47,7 @@ case "$FAKE_MODE" in
   preempt) echo '{{"step": 1, "reason": "SIGTERM"}}' > "$dump/preempted.json"; exit 1 ;;
   exit0) exit 0 ;;
   exit3) exit 3 ;;
+  exit66) exit 66 ;;
 esac
 exit 8
 """
@@ -78,7 +83,7 @@ def test_dry_run_prints_the_torchrun_command():
         text=True,
         check=True,
     ).stdout.split()
-    assert out[1:3] == ["-m", "torch.distributed.run"]
+    assert out[1:3] == ["-m", "mhar_titan.launch"]
     assert "--nproc-per-node=3" in out
     assert out[-5:] == [str(REPO / "train_cpt.py"), "--job.config_file", "configs/tiny_cpu.toml"] + [
         "--training.steps",
@@ -186,7 +191,7 @@ def test_signal_becomes_stop_file_and_exit_75(tmp_path, fake_python, sig):
     assert f"got SIG{sig.name[3:]}" in err
 
 
-@pytest.mark.parametrize(("mode", "code"), [("exit0", 0), ("exit3", 3)])
+@pytest.mark.parametrize(("mode", "code"), [("exit0", 0), ("exit3", 3), ("exit66", 66)])
 def test_stale_marker_does_not_count(tmp_path, fake_python, mode, code):
     dump = tmp_path / "run"
     dump.mkdir()
@@ -430,7 +435,8 @@ def test_pair_stops_at_a_preempted_arm(fake_python, pair_name):
 
 
 @pytest.mark.parametrize(
-    ("mode", "code", "requeued"), [("preempt", 75, True), ("exit0", 0, False), ("exit3", 3, False)]
+    ("mode", "code", "requeued"),
+    [("preempt", 75, True), ("exit0", 0, False), ("exit3", 3, False), ("exit66", 66, False)],
 )
 def test_sbatch_requeues_only_a_preempted_run(tmp_path, fake_slurm, fake_python, mode, code, requeued):
     dump = tmp_path / "run"
@@ -520,3 +526,24 @@ def test_eval_watch_runs_the_watcher_and_passes_its_exit_code_on(pair_dir, tmp_p
     argv = (tmp_path / "argv").read_text().split()
     assert argv == ["-m", "mhar_titan.eval", str(pair_dir), "--watch", "--device", "cuda", "--dtype", "bf16", "--tasks",
                     "mhar_tiny_cloze"]  # fmt: skip
+
+
+# --- mhar_titan.launch: torchrun keeping the trainer's exit codes ---------------------------------
+
+
+def test_the_trainers_exit_codes_are_kept_and_other_failures_stay_torchruns():
+    def failed(*codes: int) -> ChildFailedError:
+        failures = {rank: ProcessFailure(rank, 100 + rank, code, "/nonexistent") for rank, code in enumerate(codes)}
+        for rank, failure in failures.items():
+            failure.timestamp = rank  # rank 0 failed first
+        return ChildFailedError("train_cpt.py", failures)
+
+    assert [launch.trainer_exit_code(failed(code, -15)) for code in (2, 66, 75)] == [2, 66, 75]
+    assert launch.trainer_exit_code(failed(1, 2)) is None  # a crash first: torchrun's summary, exit 1
+    assert launch.trainer_exit_code(failed(-9)) is None  # killed by a signal
+    agent = logging.LogRecord(launch.AGENT_LOGGER, logging.ERROR, "api.py", 1, "failed (exitcode: %s) local_rank: %s",
+                              (66, 0), None)  # fmt: skip
+    crash = logging.LogRecord(launch.AGENT_LOGGER, logging.ERROR, "api.py", 1, "failed (exitcode: %s) local_rank: %s",
+                              (1, 0), None)  # fmt: skip
+    quiet = launch._TrainerExits()
+    assert not quiet.filter(agent) and quiet.filter(crash)

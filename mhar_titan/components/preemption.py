@@ -23,9 +23,9 @@ import time
 from torchtitan.tools.logging import logger
 
 from data.atomic import write_text
+from mhar_titan.components.exit_codes import DATA_EXHAUSTED as DATA_EXHAUSTED_EXIT_CODE
+from mhar_titan.components.exit_codes import REQUEUE as REQUEUE_EXIT_CODE
 
-REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL
-DATA_EXHAUSTED_EXIT_CODE = 66  # EX_NOINPUT: not requeued (a relaunch would stop again at once)
 STOP_FILE = "STOP"
 MARKER_FILE = "preempted.json"
 LAUNCH_ID_ENV = "MHAR_LAUNCH_ID"  # set by launch/torchrun.sh (and passed on by slurm.sbatch)

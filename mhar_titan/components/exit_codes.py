@@ -1,0 +1,14 @@
+"""The trainer's exit codes, which the launchers pass on to the shell and to SLURM (docs/cluster.md).
+
+A module of their own so that the launcher (mhar_titan.launch) reads them without importing the trainer.
+"""
+
+REFUSED = 2  # bad input found before any work: one error line, nothing written
+DATA_EXHAUSTED = 66  # EX_NOINPUT: a source read to its end under on_source_exhausted = "stop"; not requeued
+REQUEUE = 75  # EX_TEMPFAIL: preempted, checkpoint written; requeue the job
+
+MEANING = {
+    REFUSED: "refused before any work",
+    DATA_EXHAUSTED: "a data source ran out (on_source_exhausted = stop); checkpoint written",
+    REQUEUE: "preempted; checkpoint written; requeue",
+}

@@ -1,0 +1,52 @@
+"""torchrun for train_cpt.py that keeps the trainer's exit codes: `python -m mhar_titan.launch` takes torchrun's
+arguments (launch/torchrun.sh runs it).
+
+torchrun reports any worker's failure as exit 1, with a ChildFailedError traceback after the worker's own lines. For
+the codes the trainer gives on purpose (mhar_titan.components.exit_codes: refused 2, data exhausted 66, requeue 75) the
+trainer has already said why in its log, so this exits with that code and adds nothing; any other failure (a crash,
+a signal) is torchrun's as before: its summary naming the rank and error file, exit 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.run import parse_args, run
+
+from mhar_titan.components.exit_codes import MEANING
+
+AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+class _TrainerExits(logging.Filter):
+    """Drops the agent's "failed (exitcode: N) local_rank: ..." line where N is one of the trainer's codes: the
+    trainer's own lines said why."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith("failed (exitcode: ") and record.args and record.args[0] in MEANING)
+
+
+def trainer_exit_code(error: ChildFailedError) -> int | None:
+    """The first failed worker's exit code when the trainer chose it (the others were then stopped by the agent
+    or exited alike), else None."""
+    _, first = error.get_first_failure()
+    return first.exitcode if first.exitcode in MEANING else None
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    """torch.distributed.run.main, with the trainer's exit codes passed on (follows torch/distributed/run.py)."""
+    logging.getLogger(AGENT_LOGGER).addFilter(_TrainerExits())
+    try:
+        run(parse_args(sys.argv[1:] if argv is None else argv))
+    except ChildFailedError as e:
+        code = trainer_exit_code(e)
+        if code is None:
+            raise
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
