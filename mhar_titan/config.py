@@ -96,6 +96,23 @@ class Validation:
 
 
 @dataclass
+class Spikes:
+    """`[spikes]`: loss and gradient-norm spikes scored as they happen (mhar_titan/components/spikes.py)."""
+
+    enable: bool = True
+    """Score every step's loss and gradient norm (the loss is then summed over the ranks at every step, not only
+    on log steps: one all-reduce of a few numbers)."""
+    window: int = 100
+    """Each step is scored against the median and MAD of this many steps before it."""
+    min_history: int = 20
+    """No step is scored before the window holds this many values."""
+    threshold: float = 6.0
+    """A step whose (value - median) / (1.4826 x MAD) exceeds this is a spike."""
+    keep_checkpoint_before: bool = False
+    """Keep the newest complete checkpoint before each spike out of retention (keep_latest_k), to go back to."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     mhar: MHAR = field(default_factory=MHAR)
@@ -106,6 +123,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     validation: Validation = field(default_factory=Validation)
+    spikes: Spikes = field(default_factory=Spikes)
 
 
 def parse_config(argv: list[str]) -> TitanJobConfig:
@@ -121,6 +139,7 @@ def parse_config(argv: list[str]) -> TitanJobConfig:
     if not config.training.max_norm > 0:  # clipping to 0 zeroes every gradient: a run that does not train
         raise ValueError(f"[training] max_norm = {config.training.max_norm} must be > 0 (inf: no clipping)")
     check_converters(config.model.converters)
+    check_spikes(config.spikes)
     check_stages(config)
     fingerprint.check_allow(config.checkpoint.allow_changes)  # at every start: a typo is seen at once
     if config.checkpoint.last_save_in_hf:
@@ -132,6 +151,14 @@ def parse_config(argv: list[str]) -> TitanJobConfig:
             "python -m mhar_titan.hf export RUN_DIR OUT_DIR [--ema] [--dtype bf16]"
         )
     return config
+
+
+def check_spikes(spikes: Spikes) -> None:
+    if not (spikes.window >= spikes.min_history >= 3 and spikes.threshold > 0):
+        raise ValueError(
+            f"[spikes] window = {spikes.window}, min_history = {spikes.min_history}, threshold = {spikes.threshold}: "
+            "need window >= min_history >= 3 and threshold > 0"
+        )
 
 
 def check_converters(converters: list[str]) -> None:

@@ -23,8 +23,9 @@ from mhar_titan.components.bad_steps import BadSteps
 from mhar_titan.components.checkpoint import CPTCheckpointManager, complete_steps
 from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.preemption import PreemptionWatch
-from mhar_titan.components.routing_stats import average_routing_stats
+from mhar_titan.components.routing_stats import average_routing_stats, stats_due
 from mhar_titan.components.run_lock import lock_lost
+from mhar_titan.components.spikes import RunSpikes
 from mhar_titan.components.step_log import StepLog
 from mhar_titan.components.step_metrics import (
     MemoryPhases,
@@ -76,6 +77,9 @@ class CPTTrainer(RunFolder, Trainer):
                                 self.dataloader, self.clock, self.memory_phases)  # fmt: skip
         self.model_parts[0].register_forward_hook(self._after_forward)
         self.preemption = PreemptionWatch(job_config.job.dump_folder)
+        self.spikes = RunSpikes(job_config.spikes, job_config.job.dump_folder, torch.distributed.get_rank() == 0,
+                                logger.warning, lambda: complete_steps(self.checkpointer.folder))  # fmt: skip
+        self.checkpointer.kept_steps = self.spikes.kept
         self.stop_reason: str | None = None
         self.exhausted = False  # with [data] on_source_exhausted = "stop", a source was read to its end
         self._asked: str | None = None
@@ -148,6 +152,7 @@ class CPTTrainer(RunFolder, Trainer):
         self._record_run(self.changes)
         if self.ema is not None:
             self.ema.start()  # after the load: a restored EMA stays, otherwise it starts from the loaded weights
+        self.spikes.start(self.step)
         if cfg.validation.enable and cfg.validation.at_start and self.step == 0:
             self.validate()  # the base, before any update (a resume does not repeat it): each arm's reference
         logger.info(f"Training starts at step {self.step + 1}")
@@ -190,6 +195,8 @@ class CPTTrainer(RunFolder, Trainer):
             if self.ema is not None:
                 self.ema.update(self.step)
             self.bad_steps.applied()
+            if marks := self.spikes.observe(self.step, v.loss, v.grad_norm):
+                log_scalars(self.metrics_processor.logger, marks, self.step)
         else:
             self.optimizers.zero_grad()
             batches = (batch_from, self.dataloader.batches)
@@ -197,7 +204,7 @@ class CPTTrainer(RunFolder, Trainer):
         self.memory_phases.mark("optimizer")
         applied = {g["name"]: g["lr"] for g in self.optimizers.optimizers[0].param_groups}  # this step's LR
         self.lr_schedulers.step()  # the schedule follows the step count, applied or not
-        self.step_log.write(self.step, v, applied, self.tokens_seen, self.bad_steps.skipped)
+        self.step_log.write(self.step, v, applied, self.tokens_seen, self.bad_steps.skipped, self.spikes.metrics())
 
     def _forward_backward(self, microbatches: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's share of the global mean loss, the clipped gradient norm, and the step's agreed flags."""
@@ -206,7 +213,7 @@ class CPTTrainer(RunFolder, Trainer):
         global_tokens = local_tokens.clone()  # summed on the device (torchtitan's dist_sum reads it back: a sync)
         if self.dp_group is not None:
             torch.distributed.all_reduce(global_tokens, group=self.dp_group)
-        self._collect_routing_stats(self._routing_stats_due())
+        self._collect_routing_stats(stats_due(self.job_config.mhar, self.step))
         losses = []
         for input_dict, labels in microbatches:
             input_dict = {k: to_device_nowait(v, dev) if torch.is_tensor(v) else v for k, v in input_dict.items()}
@@ -216,13 +223,9 @@ class CPTTrainer(RunFolder, Trainer):
             losses.append(loss.detach())
         self._collect_routing_stats(False)
         self.memory_phases.mark("backward")
-        grad_norm = dist_utils.clip_grad_norm_(
-            [p for m in self.model_parts for p in m.parameters()],
-            self.job_config.training.max_norm,
-            foreach=True,
-            pp_mesh=None,
-            ep_enabled=self.parallel_dims.ep_enabled,
-        )
+        params = [p for m in self.model_parts for p in m.parameters()]
+        grad_norm = dist_utils.clip_grad_norm_(params, self.job_config.training.max_norm, foreach=True, pp_mesh=None,
+                                               ep_enabled=self.parallel_dims.ep_enabled)  # fmt: skip
         loss = torch.stack(losses).sum()
         return loss, grad_norm, self._agree(loss, grad_norm, loss * global_tokens / local_tokens)
 
@@ -254,18 +257,13 @@ class CPTTrainer(RunFolder, Trainer):
         """(the loss and its parts summed over the data-parallel ranks, on log steps: [loss, ce, z-term, tokens]
         or [loss]; the routing statistics averaged over them, on their steps), on the device, else None."""
         sums = stats = None
-        if self.metrics_processor.should_log(self.step):
+        if self.metrics_processor.should_log(self.step) or self.spikes.enabled:  # spikes: every step's loss
             sums = loss.double().reshape(1) if parts is None else torch.cat([loss.double().reshape(1), parts.double()])
             if self.dp_group is not None:
                 torch.distributed.all_reduce(sums, group=self.dp_group)
-        if self._routing_stats_due() and self.model_parts[0].routing_stats is not None:
+        if stats_due(self.job_config.mhar, self.step) and self.model_parts[0].routing_stats is not None:
             stats = average_routing_stats(self.model_parts[0].routing_stats, self.dp_mesh)
         return sums, stats
-
-    def _routing_stats_due(self) -> bool:
-        """At step 1 (as torchtitan's metrics) and every `stats_freq` steps: charts start at the start."""
-        mhar = self.job_config.mhar
-        return mhar.enable and mhar.stats_freq > 0 and (self.step == 1 or self.step % mhar.stats_freq == 0)
 
     def _collect_routing_stats(self, on: bool) -> None:
         """Ask the model for its routing statistics on this step's forwards (log steps only)."""
@@ -291,9 +289,11 @@ class CPTTrainer(RunFolder, Trainer):
 
     def state_dict(self) -> dict[str, Any]:
         # ntokens_seen: all ranks' tokens (torchtitan keeps one rank's), so it survives a change of rank count.
-        return {"step": self.step, "ntokens_seen": self.tokens_seen, "skipped_steps": self.bad_steps.skipped}
+        state = {"step": self.step, "ntokens_seen": self.tokens_seen, "skipped_steps": self.bad_steps.skipped}
+        return {**state, **self.spikes.state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.tokens_seen = int(state_dict["ntokens_seen"])
         self.bad_steps.skipped = int(state_dict.get("skipped_steps", 0))
+        self.spikes.load(state_dict)

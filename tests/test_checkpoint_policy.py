@@ -23,14 +23,16 @@ def test_purge_keeps_the_last_k_complete_and_every_mth_and_drops_unfinished_writ
     assert complete_steps(str(tmp_path)) == list(range(2, 22, 2))
     manager = CPTCheckpointManager.__new__(CPTCheckpointManager)
     manager.folder, manager.keep_latest_k, manager.keep_every = str(tmp_path), 3, 8
+    manager.kept_steps = {4}  # the checkpoint before a spike ([spikes] keep_checkpoint_before)
     manager.purge_queue = queue.Queue()
     monkeypatch.setattr(checkpoint, "dist", SimpleNamespace(get_rank=lambda: 0))
     manager._purge_stale_checkpoints()
     purged = []
     while not manager.purge_queue.empty():
         purged.append(int(manager.purge_queue.get().rsplit("step-", 1)[1]))
-    # kept: 16, 18, 20 (last 3), 8 and 16 (every 8th), and 23 (newer than any complete one: maybe being written)
-    assert sorted(purged) == [2, 4, 6, 7, 10, 12, 14]
+    # kept: 16, 18, 20 (last 3), 8 and 16 (every 8th), 4 (before a spike), and 23 (newer than any complete one:
+    # maybe being written)
+    assert sorted(purged) == [2, 6, 7, 10, 12, 14]
 
 
 def test_a_stop_file_from_an_earlier_job_is_removed_and_a_new_one_kept(tmp_path, own_signal_handlers):
@@ -75,6 +77,7 @@ def test_purge_leaves_a_symlinked_step_folder_and_its_target_alone_and_says_so(t
     (folder / "step-2").symlink_to(archive / "step-2")  # moved to other storage by hand
     manager = CPTCheckpointManager.__new__(CPTCheckpointManager)
     manager.folder, manager.keep_latest_k, manager.keep_every = str(folder), 2, 0
+    manager.kept_steps = set()
     manager.purge_queue, manager._told_links = queue.Queue(), set()
     monkeypatch.setattr(checkpoint, "dist", SimpleNamespace(get_rank=lambda: 0))
     with caplog.at_level("INFO"):

@@ -23,9 +23,11 @@ from mhar_titan.components.tensorboard_scalars import LOSS_TAG, read_scalars
 from mhar_titan.config import parse_config
 from mhar_titan.hf.run import load_run_checkpoint
 
-# A short schedule whose LR does not depend on how many steps each job runs.
-SCHEDULE = ("--lr_scheduler.total_steps", "8", "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "4")
-SCHEDULE_EVERY_2 = (*SCHEDULE[:4], "--checkpoint.interval", "2")
+# A short schedule whose LR does not depend on how many steps each job runs; spikes scored from step 4.
+SCHEDULE = ("--lr_scheduler.total_steps", "8", "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "4",
+            "--spikes.window", "4", "--spikes.min_history", "3")  # fmt: skip
+SCHEDULE_EVERY_2 = (*SCHEDULE[:4], "--checkpoint.interval", "2", *SCHEDULE[6:])
+SPIKE_SCORES = ("spikes/loss_score", "spikes/grad_norm_score")
 VALIDATE = ("--validation.freq", "2", "--validation.steps", "1", "--ema.beta", "0.8")
 GRAD_NORM_TAG = "grad_norm"
 
@@ -66,6 +68,9 @@ def test_resume_reproduces_uninterrupted_run(straight, first_half, tmp_path):
         got = read_scalars(resumed, tag)
         assert list(want) == list(range(1, 9)), tag
         assert got == want, f"{tag}: resumed {got} != uninterrupted {want}"
+    for tag in SPIKE_SCORES:  # scored against the windows the checkpoint kept
+        want, got = read_scalars(straight, tag), read_scalars(resumed, tag)
+        assert list(want) == list(range(4, 9)) and got == want, tag
     # the LR logged at a step is the one that step applied: 0 for the first (cold start, warmup 2), then the peak
     lr = read_scalars(straight, "lr/decay")
     peak = parse_config(["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml")]).optimizer.lr
@@ -232,7 +237,7 @@ def test_killed_preempted_and_corrupted_runs_resume_to_the_same_losses(straight,
     assert f"falling back to step {previous}" in log
     assert f"Training starts at step {previous + 1}" in log
 
-    for tag in (LOSS_TAG, GRAD_NORM_TAG, "val/ce", "val/ce_ema"):
+    for tag in (LOSS_TAG, GRAD_NORM_TAG, "val/ce", "val/ce_ema", *SPIKE_SCORES):
         want, got = read_scalars(straight, tag), read_scalars(run, tag)
         assert got == want, f"{tag}: {got} != uninterrupted {want}"
     # TensorBoard's own reader: one run (one folder) across the four starts, each step once, the

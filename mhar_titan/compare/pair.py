@@ -28,7 +28,7 @@ from mhar_titan.compare import report, routing, schedule
 from mhar_titan.compare import validation as cval
 from mhar_titan.compare.report import CHECKED
 from mhar_titan.compare.stats import batch_noise, divergence, median_after_warmup
-from mhar_titan.components import fingerprint
+from mhar_titan.components import fingerprint, spikes
 from mhar_titan.components.tensorboard_scalars import LOSS_TAG, load_scalars
 
 Series = dict[int, float]
@@ -259,6 +259,10 @@ def compare(
         "routing": routing.summary(routing_log) if routing_log is not None else None,
         "stages": stages,
         "schedule_drawn": schedule_plot is not None,
+        "spikes": {
+            arm: {"scored": "spikes/loss_count" in s, **spikes.summary(str(run))}
+            for arm, run, s in (("control", c_run, cs), ("mhar", m_run, ms))
+        },  # fmt: skip
     }
     plots = [*routing_plots, *([schedule_plot] if schedule_plot else [])]
     _write_report(result, out, c_loss, m_loss, deltas, plots, control, mhar)

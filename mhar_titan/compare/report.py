@@ -142,6 +142,7 @@ def report_text(r: dict[str, Any], control: str, mhar: str) -> str:
     lines += cval.named_set_lines(r.get("validation_sets", []), control, mhar)
     lines += routing.report_lines(r.get("routing"), mhar, r["delta_dir"])
     lines += schedule.report_lines(r.get("stages"), r.get("schedule_drawn", False))
+    lines += _spike_lines(r.get("spikes"), control, mhar)
     lines += _throughput_lines(r["tokens_per_s"], control, mhar)
     lines += _consistency_lines(r, control, mhar)
     return "\n".join(lines)
@@ -204,6 +205,26 @@ def _training_loss_lines(r: dict[str, Any], control: str, mhar: str) -> list[str
     ]
     lines += ["", "![training loss](train_loss.png)", "", "![delta training loss](delta_train_loss.png)", ""]
     return lines
+
+
+def _spike_lines(s: dict[str, Any] | None, control: str, mhar: str) -> list[str]:
+    """Both arms' spikes side by side ([spikes] in the configs; components/spikes.py scores them)."""
+    if not s:
+        return []
+
+    def cell(arm: dict[str, Any], tag: str) -> str:
+        if not arm["scored"] and not arm[tag]["count"]:
+            return "not scored"
+        top = arm[tag]["largest"]
+        if top is None:
+            return "0"
+        at = _steps_text(arm[tag]["steps"])
+        return (f"{arm[tag]['count']} (steps {at}); largest at step {top['step']}: {top['value']:.4g} against a "
+                f"median of {top['median']:.4g}, score {top['score']:.1f}")  # fmt: skip
+
+    rows = [f"| {name} | {cell(s['control'], tag)} | {cell(s['mhar'], tag)} |"
+            for tag, name in (("loss", "loss spikes"), ("grad_norm", "gradient-norm spikes"))]  # fmt: skip
+    return ["## Spikes", "", f"| | {control} | {mhar} |", "|---|---|---|", *rows, ""]
 
 
 def _throughput_lines(t: dict[str, Any], control: str, mhar: str) -> list[str]:

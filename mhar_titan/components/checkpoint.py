@@ -47,12 +47,24 @@ class DamagedCheckpoint(ValueError):
     """A checkpoint file differs from the checksum recorded when it was saved."""
 
 
+# Entries added to the trainer's state after runs had been checkpointed without them: a checkpoint that lacks one
+# loads, and the entry keeps the state the job started with (the log says so).
+OPTIONAL_ENTRIES = ("train_state.spikes",)
+
+
 class DataOnlyLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, except that non-tensor entries (step counters, LR scheduler and
     optimizer settings, data-stream states) are unpickled by torch.load(weights_only=True), which
     builds plain data and tensors only: a crafted entry cannot run code. What it built is saved again
     and handed to DCP's own load_bytes (torch/distributed/checkpoint/default_planner.py), which
     then unpickles only what we wrote."""
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        saved = {} if metadata is None else metadata.state_dict_metadata
+        self.absent = [k for k in OPTIONAL_ENTRIES if k in self.state_dict and k not in saved]
+        for key in self.absent:
+            del self.state_dict[key]
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
@@ -118,6 +130,7 @@ class CPTCheckpointManager(CheckpointManager):
         self.keep_every = getattr(cfg, "keep_every", 0)
         self.staging = PinnedStaging()  # kept from save to save
         self.expected_bytes = 0  # one checkpoint's size on disk, set by the trainer: for a full disk's message
+        self.kept_steps: set[int] = set()  # kept out of retention besides the policy's (the checkpoint before a spike)
         self._told_links: set[int] = set()
         if not self.enable:
             # torchtitan sets its load policy only with checkpointing on; the base load needs it either way.
@@ -198,13 +211,14 @@ class CPTCheckpointManager(CheckpointManager):
 
     def _purge_stale_checkpoints(self) -> None:
         """Forked from torchtitan 0.2.2 torchtitan/components/checkpoint.py, CheckpointManager.
-        _purge_stale_checkpoints: counts complete checkpoints only, and keeps every keep_every-th."""
+        _purge_stale_checkpoints: counts complete checkpoints only, and keeps every keep_every-th and kept_steps."""
         if self.keep_latest_k <= 0 or dist.get_rank() != 0 or not os.path.isdir(self.folder):
             return
         complete = complete_steps(self.folder)
         keep = set(complete[-self.keep_latest_k :])
         if self.keep_every > 0:
             keep |= {s for s in complete if s % self.keep_every == 0}
+        keep |= self.kept_steps
         newest = complete[-1] if complete else -1
         present = [int(m[1]) for name in os.listdir(self.folder) if (m := _STEP_FOLDER.fullmatch(name))]
         # complete ones beyond the policy, and unfinished writes older than the newest complete one
@@ -286,7 +300,12 @@ class CPTCheckpointManager(CheckpointManager):
         DCP branch reads non-tensor entries as data only and tensors on several threads; the HF branch keeps the
         graft's load ledger."""
         if not from_hf:  # torchtitan's DCP load, with non-tensor entries read as data only
-            dcp.load(state_dict, storage_reader=ParallelFileSystemReader(checkpoint_id), planner=DataOnlyLoadPlanner())
+            planner = DataOnlyLoadPlanner()
+            dcp.load(state_dict, storage_reader=ParallelFileSystemReader(checkpoint_id), planner=planner)
+            if planner.absent:
+                logger.info(
+                    f"{checkpoint_id} has no {', '.join(planner.absent)} (saved before it was kept): started afresh"
+                )
             if MODEL in self.states:
                 self.states[MODEL].load_state_dict(state_dict)
             return

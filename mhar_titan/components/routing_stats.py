@@ -11,6 +11,8 @@ all sites (tensorboard_scalars.py holds the names).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -60,3 +62,8 @@ def name_routing_stats(values: torch.Tensor) -> dict[str, float]:
     for stat, vals in per_stat.items():
         out[routing_mean_tag(stat)] = sum(vals) / len(vals)
     return out
+
+
+def stats_due(mhar: Any, step: int) -> bool:
+    """At step 1 (as torchtitan's metrics) and every `[mhar] stats_freq` steps: charts start at the start."""
+    return mhar.enable and mhar.stats_freq > 0 and (step == 1 or step % mhar.stats_freq == 0)

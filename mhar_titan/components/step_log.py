@@ -35,17 +35,20 @@ class StepLog:
         self.dataloader, self.clock, self.memory_phases = dataloader, clock, memory_phases
         self.mfu_note = mfu_note(job_config)
 
-    def write(self, step: int, v: StepValues, lrs: dict[str, float], tokens_seen: int, skipped: int) -> None:
-        """`lrs`: each group's LR as the step applied it (the scheduler has moved on since). Loss values come on
-        log steps, routing statistics on their own steps; every rank calls (the counters are gathered)."""
+    def write(self, step: int, v: StepValues, lrs: dict[str, float], tokens_seen: int, skipped: int,
+              extra: dict[str, float]) -> None:  # fmt: skip
+        """`lrs`: each group's LR as the step applied it (the scheduler has moved on since); `extra`: more scalars
+        of a log step (the spike scores). Log steps write the scalars and the line (the loss may come on other
+        steps too, for the spike scores), routing statistics their own steps; every rank calls (the counters are
+        gathered)."""
         self.clock.tick(step)
         schedule = self.dataloader.schedule
         if schedule.staged and step > 1 and schedule.at(step).start == step:
             stage = schedule.describe(self.dataloader.names)[schedule.at(step).number - 1]
             shares = ", ".join(f"{name} {w:.1%}" for name, w in stage["weights"].items())
             logger.info(f"[data] mixture stage {stage['number']} begins at step {step}: {shares}")
-        if v.loss is not None:
-            metrics = self._metrics(step, v, lrs, tokens_seen, skipped)
+        if v.loss is not None and self.mp.should_log(step):
+            metrics = {**self._metrics(step, v, lrs, tokens_seen, skipped), **extra}
             log_scalars(self.mp.logger, metrics, step)
             flush(self.mp)
             logger.info(self._line(step, v, metrics, lrs, tokens_seen))
