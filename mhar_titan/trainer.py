@@ -28,7 +28,6 @@ from mhar_titan.components.run_lock import lock_lost
 from mhar_titan.components.spikes import RunSpikes
 from mhar_titan.components.step_log import StepLog
 from mhar_titan.components.step_metrics import (
-    MemoryPhases,
     StepClock,
     StepReadback,
     StepScalars,
@@ -38,6 +37,7 @@ from mhar_titan.components.step_metrics import (
     one_tensorboard_run,
     to_device_nowait,
 )
+from mhar_titan.components.step_phases import StepPhases
 from mhar_titan.components.validate import run_validation
 from mhar_titan.run_folder import RunFolder
 
@@ -71,10 +71,10 @@ class CPTTrainer(RunFolder, Trainer):
         self.bad_steps = BadSteps(job_config.training.max_bad_steps)
         self.tokens_seen = 0  # all ranks' tokens
         self.clock = StepClock()
-        self.memory_phases = MemoryPhases(self.device)
+        self.phases = StepPhases(self.device)
         self.readback, self.scalars = StepReadback(self.device), StepScalars()
         self.step_log = StepLog(self.metrics_processor, job_config, self.device, self.model_args.n_layers,
-                                self.dataloader, self.clock, self.memory_phases)  # fmt: skip
+                                self.dataloader, self.clock, self.phases)  # fmt: skip
         self.model_parts[0].register_forward_hook(self._after_forward)
         self.preemption = PreemptionWatch(job_config.job.dump_folder)
         self.spikes = RunSpikes(job_config.spikes, job_config.job.dump_folder, torch.distributed.get_rank() == 0,
@@ -137,9 +137,8 @@ class CPTTrainer(RunFolder, Trainer):
                     timeout = timedelta(seconds=cfg.comm.train_timeout_seconds)
                     dist_utils.set_pg_timeouts(timeout=timeout, parallel_dims=self.parallel_dims)
                     first = False
-        # Every rank done with its collectives before any tears down: a rank leaving early can abort a peer
-        # still inside one. torchtitan's loop also sleeps 2 s on rank 0, for a store that rank 0 would host;
-        # under torchrun the agent hosts it, so no rank's exit takes it away.
+        # Every rank done with its collectives before any tears down (a rank leaving early can abort a peer in one);
+        # no 2 s sleep on rank 0 as in torchtitan's loop: under torchrun the agent, not rank 0, hosts the store.
         torch.distributed.barrier()
         logger.info("Training completed")
 
@@ -171,8 +170,10 @@ class CPTTrainer(RunFolder, Trainer):
         """Forked from torchtitan 0.2.2 torchtitan/train.py, Trainer.train_step: global token counts, a
         bad step (non-finite loss or norm, agreed by every rank) skipped rather than applied."""
         self.optimizers.zero_grad()
+        self.phases.mark("fetch")
         batch_from = self.dataloader.batches
         microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
+        self.phases.mark("data")
         self.tokens_seen += sum(labels.numel() for _, labels in microbatches) * self.dp_degree
         loss, grad_norm, flags = self._forward_backward(microbatches)
         self.readback.stage(self.scalars.pack(flags, grad_norm, *self._logged_values(loss, self.loss_fn.take_parts())))
@@ -201,7 +202,7 @@ class CPTTrainer(RunFolder, Trainer):
             self.optimizers.zero_grad()
             batches = (batch_from, self.dataloader.batches)
             self.bad_steps.skip(self.step, loss.item(), v.grad_norm, batches, self.dp_group)
-        self.memory_phases.mark("optimizer")
+        self.phases.mark("optimizer")
         applied = {g["name"]: g["lr"] for g in self.optimizers.optimizers[0].param_groups}  # this step's LR
         self.lr_schedulers.step()  # the schedule follows the step count, applied or not
         self.step_log.write(self.step, v, applied, self.tokens_seen, self.bad_steps.skipped, self.spikes.metrics())
@@ -222,7 +223,7 @@ class CPTTrainer(RunFolder, Trainer):
             )
             losses.append(loss.detach())
         self._collect_routing_stats(False)
-        self.memory_phases.mark("backward")
+        self.phases.mark("backward")
         params = [p for m in self.model_parts for p in m.parameters()]
         grad_norm = dist_utils.clip_grad_norm_(params, self.job_config.training.max_norm, foreach=True, pp_mesh=None,
                                                ep_enabled=self.parallel_dims.ep_enabled)  # fmt: skip
@@ -236,7 +237,7 @@ class CPTTrainer(RunFolder, Trainer):
 
     def _after_forward(self, *_) -> None:
         if torch.is_grad_enabled():  # a training forward, not validation
-            self.memory_phases.mark("forward")
+            self.phases.mark("forward")
 
     def _agree(self, loss: torch.Tensor, grad_norm: torch.Tensor, own_mean: torch.Tensor) -> torch.Tensor:
         """The step's FLAGS (components/step_metrics.py), agreed by one MAX all-reduce on the device: any rank's

@@ -217,20 +217,14 @@ def test_marin8b_config_gives_the_marin8b_flavor():
     )
 
 
-def test_inspect_cli_summarises_a_checkpoint(hf_dir):
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
+def test_inspect_cli_summarises_a_checkpoint(hf_dir, capsys):
+    """`python -m mhar_titan.hf inspect`'s main (tests/test_cli_help.py runs the command itself)."""
     path, ref = hf_dir
-    out = subprocess.run(
-        [sys.executable, "-m", "mhar_titan.hf", "inspect", str(path)], cwd=REPO, capture_output=True, text=True
-    )
-    assert out.returncode == 0, out.stderr
+    hf_cli.main(["inspect", str(path)])
+    out = capsys.readouterr().out
     n = sum(p.numel() for p in ref.parameters())
-    assert "4 layers" in out.stdout and f"{n:,} parameters" in out.stdout
-    assert f"{len(ref.state_dict())} tensors loaded" in out.stdout and "0 unused" in out.stdout
+    assert "4 layers" in out and f"{n:,} parameters" in out
+    assert f"{len(ref.state_dict())} tensors loaded" in out and "0 unused" in out
 
 
 def test_init_writes_a_random_base_that_loads_back_exactly(tmp_path):

@@ -33,8 +33,10 @@ def rows(stdout: str) -> dict[str, tuple[str, str]]:
 @pytest.fixture(scope="module")
 def full(tmp_path_factory):
     out = tmp_path_factory.mktemp("preflight")
-    # 16 steps an arm (a checkpoint at 8, the kill after 12): the default's 40 run the same code, at thrice the time
-    done = preflight(out, "--limit", "8", "--steps", "16", "--checkpoints", str(out / "scratch"))
+    # 8 steps an arm, the fewest the preflight takes (a checkpoint at 4, the kill after 6), the gate statistics every
+    # 4 steps (the configs' 10 would log none before the end): the default's 40 run the same code, at 4x the time
+    args = ("--limit", "8", "--steps", "8", "--mhar.stats_freq", "4", "--checkpoints", str(out / "scratch"))
+    done = preflight(out, *args)
     (report,) = out.glob("*/report.md")
     return done, report.parent
 
@@ -56,14 +58,14 @@ def test_the_mhar_arm_was_killed_and_resumed_as_a_user_would_see_it(full):
     done, root = full
     killed = (root / "logs" / "mhar-killed.log").read_text()
     resumed = (root / "logs" / "mhar-resumed.log").read_text()
-    rerun = (root / "logs" / "mhar-rerun.log").read_text()  # the same steps again from the checkpoint, killed at 12
-    assert "(step 8)" in rerun and "Training starts at step 9" in rerun and "validation at step 12:" in rerun
+    rerun = (root / "logs" / "mhar-rerun.log").read_text()  # the same steps again from the checkpoint, killed at 6
+    assert "(step 4)" in rerun and "Training starts at step 5" in rerun and "validation at step 6:" in rerun
     assert "Training starts at step 1\n" in killed
-    assert "resumes from its checkpoint" in resumed and "(step 8)" in resumed
-    assert "Training starts at step 9" in resumed and "step 16/16" in resumed
+    assert "resumes from its checkpoint" in resumed and "(step 4)" in resumed
+    assert "Training starts at step 5" in resumed and "step 8/8" in resumed
     control = (root / "logs" / "control-uninterrupted.log").read_text()  # the default --kill mhar
-    assert "Training starts at step 1\n" in control and "step 16/16" in control and "resumes" not in control
-    assert "mhar steps 9-12 bitwise" in rows(done.stdout)["d"][1] and "control uninterrupted" in done.stdout
+    assert "Training starts at step 1\n" in control and "step 8/8" in control and "resumes" not in control
+    assert "mhar steps 5-6 bitwise" in rows(done.stdout)["d"][1] and "control uninterrupted" in done.stdout
     for arm in ("control", "mhar"):
         assert not (root / "pair" / arm / "checkpoint").exists()  # scratch removed afterwards
         assert not (root.parent / "scratch" / f"{root.name}-{arm}").exists()  # --checkpoints: there, and removed
@@ -74,7 +76,8 @@ def test_the_mhar_arm_was_killed_and_resumed_as_a_user_would_see_it(full):
 def test_a_perturbed_kernel_fails_its_stage_only_and_the_exit_code(tmp_path):
     """The kernel test seam (MHAR_PREFLIGHT_PERTURB_KERNEL) through the whole CLI: stage b fails naming the
     tensor and its bound, a and c pass, the exit code is 1 (tests/test_preflight_probe.py judges rank files)."""
-    done = preflight(tmp_path, "--stages", "abc", env={"MHAR_PREFLIGHT_PERTURB_KERNEL": "1e-2"})
+    # one rank: the seam perturbs every rank's kernels alike
+    done = preflight(tmp_path, "--stages", "abc", "--nproc", "1", env={"MHAR_PREFLIGHT_PERTURB_KERNEL": "1e-2"})
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     table = rows(done.stdout)
     assert (table["a"][0], table["b"][0], table["c"][0]) == ("PASS", "FAIL", "PASS"), table

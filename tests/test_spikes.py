@@ -88,7 +88,8 @@ def test_a_forced_spike_is_said_recorded_and_the_checkpoint_before_it_kept(tmp_p
     run = tmp_path / "run"
     settings = ("--spikes.window", "6", "--spikes.min_history", "4", "--spikes.keep_checkpoint_before")
     keep = ("--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2", "--validation.no-enable")
-    proc = torchrun(run, "--training.steps", "10", *settings, *keep, script="tests/faulty_trainer.py",
+    one = ("--training.global_batch_size", "8")  # one rank, two microbatches (2 ranks: test_train_resume.py)
+    proc = torchrun(run, "--training.steps", "10", *settings, *keep, *one, nproc=1, script="tests/faulty_trainer.py",
                     env={"SPIKE_STEPS": "8", "SPIKE_FACTOR": "30"})  # fmt: skip
     log = proc.stdout + proc.stderr
     assert "step 8: loss spike, " in log and "checkpoint step-6 kept out of retention" in log

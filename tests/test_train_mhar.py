@@ -1,6 +1,7 @@
 """2-rank FSDP2 training of the tiny MHAR config with full activation checkpointing on CPU."""
 
 import math
+import re
 
 import pytest
 from conftest import torchrun
@@ -41,6 +42,13 @@ def test_mhar_tiny_trains_moves_its_gates_and_logs_routing_stats(tmp_path):
         assert 0 < z[step] < 1e-2 * ce[step]
         assert total[step] == pytest.approx(ce[step] + z[step], rel=1e-5)
         assert total[step] == pytest.approx(losses[step], rel=1e-5)
+    # where each step's time went (a log step's window), shares that add up to the step's wall time on a CPU
+    shares = [scalars[f"time/{k}"] for k in ("data", "forward_backward", "optimizer", "checkpoint", "validation",
+                                               "other")]  # fmt: skip
+    assert all(list(s) == list(range(1, 11)) for s in shares)
+    for step in range(1, 11):
+        assert all(0 <= s[step] <= 1 for s in shares) and sum(s[step] for s in shares) == pytest.approx(1, abs=1e-5)
+    assert re.search(r"step 10/10 .* time data \d+% fwd\+bwd \d+% opt \d+% ckpt \d+% val \d+% other \d+%", log)
     docs = read_scalars(run, "data/docs")  # the loader's counters, summed over ranks
     assert list(docs) == list(range(1, 11)) and docs[10] > docs[1] > 0
     assert sum(read_scalars(run, tag)[10] for tag in _source_tags(run)) > 0

@@ -12,7 +12,6 @@ from data.counters import mixture_shares, stage_shares, token_shares
 from data.loader import ParquetDataLoader, gather_counters
 from mhar_titan.components.routing_stats import name_routing_stats
 from mhar_titan.components.step_metrics import (
-    MemoryPhases,
     StepClock,
     StepValues,
     flush,
@@ -20,6 +19,7 @@ from mhar_titan.components.step_metrics import (
     rank_peaks,
     throughput,
 )
+from mhar_titan.components.step_phases import StepPhases, shares_text
 
 
 def mfu_note(job_config: JobConfig) -> str:
@@ -30,9 +30,9 @@ def mfu_note(job_config: JobConfig) -> str:
 
 class StepLog:
     def __init__(self, mp: MetricsProcessor, job_config: JobConfig, device: torch.device, n_layers: int,
-                 dataloader: ParquetDataLoader, clock: StepClock, memory_phases: MemoryPhases):  # fmt: skip
+                 dataloader: ParquetDataLoader, clock: StepClock, phases: StepPhases):  # fmt: skip
         self.mp, self.cfg, self.device, self.n_layers = mp, job_config, device, n_layers
-        self.dataloader, self.clock, self.memory_phases = dataloader, clock, memory_phases
+        self.dataloader, self.clock, self.phases = dataloader, clock, phases
         self.mfu_note = mfu_note(job_config)
 
     def write(self, step: int, v: StepValues, lrs: dict[str, float], tokens_seen: int, skipped: int,
@@ -70,7 +70,7 @@ class StepLog:
         metrics.update({f"lr/{name}": lr for name, lr in lrs.items()})
         metrics.update(throughput(self.mp))
         metrics.update(rank_peaks(metrics["memory/peak_active_gib"], self.device))
-        metrics.update(self.memory_phases.take())
+        metrics.update(self.phases.take(self.clock.take_pauses()))
         return metrics
 
     def _line(self, step: int, v: StepValues, m: dict[str, float], lrs: dict[str, float], tokens_seen: int) -> str:
@@ -80,4 +80,5 @@ class StepLog:
             + f"  lr {next(iter(lrs.values())):.2e}  grad_norm {v.grad_norm:.3f}"
             f"  {m['tokens_per_s']:,.0f} tok/s/dev  {self.clock.pace(tokens_seen)}"
             f"  mfu {m['mfu']:.1f}%{self.mfu_note}  mem {m['memory/peak_reserved_gib']:.1f} GiB  eta {self.clock.eta()}"
+            f"  {shares_text(m)}"
         )

@@ -44,30 +44,6 @@ def rank_peaks(peak_active_gib: float, device: torch.device) -> dict[str, float]
     return {"memory/peak_active_gib_max": values[rank], "memory/peak_active_rank": rank}
 
 
-class MemoryPhases:
-    """Device memory allocated at the step's phase boundaries (after the model's forward, after the
-    backward, after the optimizer), the largest value of each since the last log step, in GiB:
-    where the peak comes from (activations, gradients, state); the memory plan
-    (`python -m mhar_titan.plan`) is checked against these. A host-side counter, no sync.
-    Nothing on a host without CUDA."""
-
-    PHASES = ("forward", "backward", "optimizer")
-
-    def __init__(self, device: torch.device):
-        self.enabled = device.type == "cuda"
-        self.device = device
-        self.seen: dict[str, float] = {}
-
-    def mark(self, phase: str) -> None:
-        if self.enabled:
-            gib = torch.cuda.memory_allocated(self.device) / 2**30
-            self.seen[phase] = max(gib, self.seen.get(phase, 0.0))
-
-    def take(self) -> dict[str, float]:
-        seen, self.seen = self.seen, {}
-        return {f"memory/after_{phase}_gib": seen[phase] for phase in self.PHASES if phase in seen}
-
-
 def log_scalars(logger: BaseLogger, metrics: dict[str, float], step: int) -> None:
     """`logger.log(metrics, step)`, with each TensorBoard writer given one event that holds every
     value (TensorBoard reads each as its own scalar): torch's add_scalar builds and queues an event
@@ -203,6 +179,7 @@ class StepClock:
         self.origin: tuple[float, int] | None = None
         self.last_step = self.total = 0
         self.periodic: dict[str, list[float]] = {}  # kind -> [every, runs, seconds]
+        self.window: dict[str, float] = {}  # kind -> seconds since the last log step (take_pauses)
 
     def start(self, step: int, total: int) -> None:
         self.origin, self.last_step, self.total = None, step, total
@@ -219,6 +196,12 @@ class StepClock:
             self.origin = (self.origin[0] + seconds, self.origin[1])
         runs = self.periodic.setdefault(kind, [every, 0, 0.0])
         runs[0], runs[1], runs[2] = every, runs[1] + 1, runs[2] + seconds
+        self.window[kind] = self.window.get(kind, 0.0) + seconds
+
+    def take_pauses(self) -> dict[str, float]:
+        """Seconds of each kind of pause since the last call (a log step's window)."""
+        window, self.window = self.window, {}
+        return window
 
     def seconds_per_step(self) -> float | None:
         if self.origin is None or self.last_step <= self.origin[1]:
