@@ -145,8 +145,9 @@ def test_a_run_folder_without_its_fingerprint_needs_allow_changes_legacy(base, t
     assert (resumed / "fingerprint.json").exists()
 
 
-def launch(run: Path, *args: str) -> subprocess.Popen:
-    cmd = [str(REPO / "launch" / "torchrun.sh"), "--nproc", "2", "configs/tiny_cpu.toml", "--job.dump_folder", str(run)]
+def launch(run: Path, *args: str, nproc: int = 2) -> subprocess.Popen:
+    cmd = [str(REPO / "launch" / "torchrun.sh"), "--nproc", str(nproc), "configs/tiny_cpu.toml", "--job.dump_folder",
+           str(run)]  # fmt: skip
     env = {**os.environ, "PYTHON": sys.executable, **ENV}
     return subprocess.Popen(
         [*cmd, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -166,7 +167,7 @@ def test_a_second_job_on_a_live_run_folder_is_refused_and_the_first_one_goes_on(
     run, corpus = base
     live = copy_run(run, tmp_path / "run")
     args = ("--training.steps", "200", *STEPS, *SCHEDULE, *mixture(corpus))  # stopped by a signal long before
-    first = launch(live, *args)
+    first = launch(live, *args, "--training.global_batch_size", "8", nproc=1)  # one rank: less CPU while it waits
     lines: list[str] = []
     try:
         read_until(first, "Training starts at step 8", lines)

@@ -1,4 +1,4 @@
-"""The preflight end to end on 2 CPU ranks (the tiny pair: probe, base, both arms killed and resumed, exports,
+"""The preflight end to end on CPU ranks (the tiny pair: probe, base, both arms killed and resumed, exports,
 lm-eval, report), a stage made to fail on purpose, the refusals a new user meets, and the verdicts' rules."""
 
 import os
@@ -35,7 +35,10 @@ def full(tmp_path_factory):
     out = tmp_path_factory.mktemp("preflight")
     # 8 steps an arm, the fewest the preflight takes (a checkpoint at 4, the kill after 6), the gate statistics every
     # 4 steps (the configs' 10 would log none before the end): the default's 40 run the same code, at 4x the time
-    args = ("--limit", "8", "--steps", "8", "--mhar.stats_freq", "4", "--checkpoints", str(out / "scratch"))
+    # on one rank: the preflight's 2-rank paths run in tests/test_preflight_probe.py (the probe's ranks) and
+    # tests/test_preflight_verdicts.py (the pair's jobs killed and relaunched)
+    args = ("--limit", "8", "--steps", "8", "--mhar.stats_freq", "4", "--nproc", "1")
+    args += ("--checkpoints", str(out / "scratch"))
     done = preflight(out, *args)
     (report,) = out.glob("*/report.md")
     return done, report.parent
@@ -47,7 +50,7 @@ def test_the_whole_pipeline_passes_on_cpu_ranks(full):
     table = rows(done.stdout)
     assert sorted(table) == list("abcdefghi")
     assert all(result == "PASS" for result, _ in table.values()), table
-    assert re.search(r"peak control [\d.]+ GiB \(rank [01]\), mhar [\d.]+ GiB \(rank [01]\)", table["e"][1])
+    assert re.search(r"peak control [\d.]+ GiB \(rank 0\), mhar [\d.]+ GiB \(rank 0\)", table["e"][1])
     report = (root / "report.md").read_text()
     assert report.startswith(f"# Preflight {root.name}: PASS")
     assert "| d. pair: train, kill, resume | **PASS** |" in report
