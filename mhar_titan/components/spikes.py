@@ -101,9 +101,13 @@ def read(folder: str) -> list[Spike]:
         return [Spike(**json.loads(line)) for line in f if line.strip()]
 
 
+def _write(folder: str, spikes: list[Spike]) -> None:
+    write_text(os.path.join(folder, FILE), "".join(json.dumps(asdict(s)) + "\n" for s in spikes))
+
+
 def append(folder: str, spikes: list[Spike]) -> None:
     """Rank 0: the record with these added, written atomically (a small file; a killed job loses no line)."""
-    write_text(os.path.join(folder, FILE), "".join(json.dumps(asdict(s)) + "\n" for s in read(folder) + spikes))
+    _write(folder, read(folder) + spikes)
 
 
 def cut_back(folder: str, step: int) -> list[Spike]:
@@ -111,7 +115,7 @@ def cut_back(folder: str, step: int) -> list[Spike]:
     the resumed job scores again); the spikes kept."""
     kept = [s for s in read(folder) if s.step <= step]
     if os.path.isfile(os.path.join(folder, FILE)):
-        write_text(os.path.join(folder, FILE), "".join(json.dumps(asdict(s)) + "\n" for s in kept))
+        _write(folder, kept)
     return kept
 
 
