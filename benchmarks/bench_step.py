@@ -20,22 +20,30 @@ default, three of them EMA and routing-statistics steps (their real share): with
 the same code differed by about the margin the ratios are held to (docs/performance.md).
 `--smoke` runs the tiny flavor on CPU for a few steps (plumbing only, no speed figure).
 `--float8` runs every arm with torchtitan's float8 converter (torchao's rowwise recipe, the output layer in bf16).
+`--attention-mask causal,block_causal` runs every arm under each mask (block_causal: flex attention within
+documents) on a corpus of documents of about `--doc-tokens` tokens, and prints block_causal/causal per arm.
 `--profile` also traces each arm's last step with torchtitan's profiler (the two steps it
 takes are left out of the throughput) and prints GPU time by kernel kind, arm beside arm.
 
     python -m benchmarks.bench_step [--arms stock,control,...] [--ac full,selective,none] [--num-blocks 8]
                                     [--steps 34] [--warmup 4] [--float8] [--profile]
+                                    [--attention-mask causal,block_causal] [--doc-tokens 1024]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tokenizers import Tokenizer
 
 from benchmarks.trace_summary import gap_report, print_gaps, print_name_diff, print_side_by_side, summarise
 from mhar_titan import plan
@@ -75,6 +83,7 @@ FLOAT8 = [
     "--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise",
     "--quantize.linear.float8.filter_fqns", "output",
 ]  # fmt: skip
+MASKS = ("causal", "block_causal")
 AC_MODES = {
     "full": ["--activation_checkpoint.mode", "full"],
     "selective": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
@@ -111,6 +120,33 @@ def arm_command(
         ]  # fmt: skip
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     return [*launcher, *ARMS[arm], *common, *geometry, *extra]
+
+
+def document_corpus(out: Path, mean_tokens: int, tokens: int, seed: int = 0) -> tuple[list[str], float]:
+    """Shards of documents of `mean_tokens` tokens on average (uniform in [mean/2, 3 mean/2]), the demo's texts
+    joined: how sparse a block-causal mask is depends on the documents per window, and the demo's are ~190
+    tokens. The --data overrides that train on them (the demo configs' two sources) and the mean measured."""
+    tokenizer = Tokenizer.from_file(str(REPO / "assets" / "tiny" / "tokenizer.json"))
+    shards = sorted((REPO / "assets" / "tiny").glob("*/*.parquet"))  # the demo's corpus and code
+    texts = [t for path in shards for t in pq.read_table(path, columns=["text"]).column("text").to_pylist() if t]
+    sizes = [len(ids) for ids in (e.ids for e in tokenizer.encode_batch(texts))]
+    rng, docs, total, k = random.Random(seed), [], 0, 0
+    while total < tokens:
+        want, parts, have = rng.randint(mean_tokens // 2, 3 * mean_tokens // 2), [], 0
+        while have < want:
+            parts.append(texts[k % len(texts)])
+            have, k = have + sizes[k % len(texts)], k + 1
+        docs.append(tokenizer.decode(tokenizer.encode("\n\n".join(parts)).ids[:want]))  # cut to its length
+        total += want
+    mixture = []
+    for name in ("docstrings", "code"):
+        folder = out / "documents" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(4):  # a shard for each of the configs' 4 streams
+            pq.write_table(pa.table({"text": docs[i::4], "source": [name] * len(docs[i::4])}), folder / f"{i}.parquet")
+        mixture.append(f"{name}={0.7 if name == 'docstrings' else 0.3}:{folder}")
+    measured = statistics.mean(len(e.ids) + 1 for e in tokenizer.encode_batch(docs))  # + its eos
+    return ["--data.mixture", ",".join(mixture)], measured
 
 
 def gpu_memory() -> float | None:
@@ -222,6 +258,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--smoke", action="store_true", help="tiny flavor on CPU: the plumbing, not a speed")
     parser.add_argument("--profile", action="store_true", help="trace each arm's last step; GPU time by kernel kind")
     parser.add_argument("--float8", action="store_true", help="every arm with torchtitan's float8 converter (rowwise)")
+    parser.add_argument(
+        "--attention-mask",
+        default="causal",
+        help=f"attention masks to run every arm under: {', '.join(MASKS)} (more than one, or block_causal: on a corpus "
+        "of documents of about --doc-tokens tokens)",
+    )
+    parser.add_argument("--doc-tokens", type=int, default=1024, help="mean document length for --attention-mask")
     return parser
 
 
@@ -236,6 +279,13 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[
     modes = args.ac.split(",")
     if [m for m in modes if m not in AC_MODES]:
         parser.error(f"--ac {args.ac}: choose from {', '.join(AC_MODES)}")
+    args.masks = args.attention_mask.split(",")
+    if [m for m in args.masks if m not in MASKS]:
+        parser.error(f"--attention-mask {args.attention_mask}: choose from {', '.join(MASKS)}")
+    if "stock" in arms and "block_causal" in args.masks:
+        parser.error("--attention-mask block_causal: the stock arm is torchtitan's llama3, which has no such setting")
+    if args.doc_tokens < 2:
+        parser.error(f"--doc-tokens {args.doc_tokens} must be at least 2")
     if args.profile and args.smoke:
         parser.error("--profile needs a GPU (torchtitan 0.2.2's profiler asks for CUDA activity)")
     if args.steps is None:
@@ -271,31 +321,42 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bench_step: {why}", flush=True)
     args.flavor = args.flavor or FLAVOR
     out = Path(args.out).resolve()
+    extra = tuple(FLOAT8) if args.float8 else ()
+    if args.masks != ["causal"]:
+        tokens = args.steps * args.nproc * (128 * 2 if args.smoke else 4096 * 2) * 3 // 2
+        data, measured = document_corpus(out, args.doc_tokens, tokens)
+        extra = (*extra, *data)
+        print(f"bench_step: documents of {measured:,.0f} tokens on average (--doc-tokens {args.doc_tokens})")
     results = {}
     for mode in modes:
-        where = out / mode if len(modes) > 1 else out
-        where.mkdir(parents=True, exist_ok=True)
-        results[mode] = {
-            arm: run_arm(
-                arm,
-                where,
-                args.nproc,
-                args.steps,
-                args.warmup,
-                args.smoke,
-                args.profile,
-                mode,
-                args.num_blocks,
-                args.flavor,
-                tuple(FLOAT8) if args.float8 else (),
-            )  # fmt: skip
-            for arm in arms
-        }
-        print_table(results[mode], arms, f"{mode} AC, steps {args.warmup + 1}..{args.steps - 2 * args.profile}")
-        if args.profile:
-            _print_profiles(where, arms, args.steps)
-    if len(modes) > 1:
+        for mask in args.masks:
+            key = mode if len(args.masks) == 1 else f"{mode}/{mask}"
+            where = out / key.replace("/", "-") if len(modes) * len(args.masks) > 1 else out
+            where.mkdir(parents=True, exist_ok=True)
+            results[key] = {
+                arm: run_arm(
+                    arm,
+                    where,
+                    args.nproc,
+                    args.steps,
+                    args.warmup,
+                    args.smoke,
+                    args.profile,
+                    mode,
+                    args.num_blocks,
+                    args.flavor,
+                    (*extra, "--model.attention_mask", mask),
+                )  # fmt: skip
+                for arm in arms
+            }
+            title = f"{mode} AC" + ("" if args.masks == ["causal"] else f", {mask} attention")
+            print_table(results[key], arms, f"{title}, steps {args.warmup + 1}..{args.steps - 2 * args.profile}")
+            if args.profile:
+                _print_profiles(where, arms, args.steps)
+    if len(results) > 1:
         print_modes(results)
+    if len(args.masks) > 1:
+        print_masks(results, modes, args.masks)
 
 
 def print_table(results: dict[str, dict[str, float]], arms: list[str], title: str) -> None:
@@ -337,6 +398,18 @@ def print_modes(results: dict[str, dict[str, dict[str, float]]]) -> None:
         if control and "stock" in arms:
             cells.append(f"control/stock {control['tokens_per_s'] / arms['stock']['tokens_per_s']:.3f}")
         print(f"{mode:<10} " + ", ".join(cells))
+
+
+def print_masks(results: dict[str, dict[str, dict[str, float]]], modes: list[str], masks: list[str]) -> None:
+    """Per AC mode, every arm's tokens/s (peak memory) under each mask against causal."""
+    print("\nby attention mask: tokens/s ratios (peak memory ratios) to causal, arm by arm")
+    for mode in modes:
+        base = results[f"{mode}/causal"]
+        for mask in masks[1:] if masks[0] == "causal" else masks:
+            r = results[f"{mode}/{mask}"]
+            cells = [f"{arm} {r[arm]['tokens_per_s'] / base[arm]['tokens_per_s']:.3f} "
+                     f"({r[arm]['peak_active_gib'] / base[arm]['peak_active_gib']:.3f})" for arm in r]  # fmt: skip
+            print(f"{mode}/{mask}: " + ", ".join(cells))
 
 
 if __name__ == "__main__":

@@ -61,6 +61,10 @@ class DataConfig:
     """A begin-of-text token before each document: 'auto' as the tokenizer's own template does (Marin-8B's
     Llama-3 tokenizer prepends <|begin_of_text|>, and Marin's pre-training documents start with it),
     'always' (the tokenizer's bos token; an error without one), 'never'. Documents always end with eos."""
+    loss_on_document_start: bool = True
+    """false: the label after each eos (the next document's first token, bos where documents have one) is left
+    out of the loss and the token counts, in training and validation: nothing of its own document precedes it.
+    Usually paired with `[model] attention_mask = "block_causal"`."""
 
     def validate(self) -> None:
         if self.on_source_exhausted not in ("repeat", "stop"):

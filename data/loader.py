@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import BaseTokenizer, HuggingFaceTokenizer
 from torchtitan.config import JobConfig
 
@@ -95,6 +96,12 @@ class _HeldOutKeep(_TrainingKeep):
         return held_out(text, self.fraction)
 
 
+def drop_document_starts(inputs: torch.Tensor, labels: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """`labels` with each document's first token (the label after an eos) ignored by the loss and the token
+    counts: nothing of its own document precedes it."""
+    return labels.masked_fill(inputs == eos_id, IGNORE_INDEX)
+
+
 class _RankStreams(IterableDataset):
     """Batches of one rank, from batch `start` on; each worker serves a fixed subset of the streams."""
 
@@ -130,6 +137,8 @@ class _RankStreams(IterableDataset):
             sid = self.local[k % n]
             stream = streams[sid]
             inputs, labels = stream.next_batch(self.batch, self.seq_len, step_of_batch(k, self.accumulation))
+            if not self.cfg.loss_on_document_start:
+                labels = drop_document_starts(inputs, labels, self.encode.eos_id)
             yield {"input": inputs, "labels": labels, "stream": sid, "state": stream.snapshot()}
             k += workers
 
@@ -293,7 +302,8 @@ class ValidationLoader:
                     f"[data] validation set {self.name!r}: {yielded} batches after {told - began:.0f} s, "
                     f"{stream.seen.rows:,} rows read, {stream.seen.documents:,} of them in the set"
                 )
-            yield {"input": batch[0]}, batch[1]
+            labels = batch[1] if self.cfg.loss_on_document_start else drop_document_starts(*batch, self.encode.eos_id)
+            yield {"input": batch[0]}, labels
         if not yielded:
             self._no_window(stream.seen)
 

@@ -19,6 +19,7 @@ from mhar_titan.model.args import MHAR
 MODEL_NAME = "llama3_mhar"
 CONFIG_MODULE = "mhar_titan.config"
 _CONFIG_MODULE_FLAGS = ("--job.custom_config_module", "--job.custom-config-module")
+ATTENTION_MASKS = ("causal", "block_causal")
 FLOAT8 = "quantize.linear.float8"  # the one model converter tested with both arms (docs/memory.md, "float8")
 
 
@@ -32,6 +33,17 @@ class Job:
     run_lock_wait_s: float = 900.0
     """A requeued SLURM job whose earlier run still holds the lock (still writing its last checkpoint) waits
     this many seconds for it; any other job on a locked folder is refused at once."""
+
+
+@dataclass
+class Model:
+    """Additions to torchtitan's `[model]`."""
+
+    attention_mask: str = "causal"
+    """causal: each token attends to every token before it in its packed window, across document boundaries
+    (as torchtitan's sdpa does); block_causal: only to those of its own document (documents end with the
+    tokenizer's eos): flex attention on GPUs, the same mask as an explicit sdpa mask on CPU ranks. Part of the
+    architecture in the run's fingerprint: both arms of a pair use the same."""
 
 
 @dataclass
@@ -115,6 +127,7 @@ class Spikes:
 @dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
     mhar: MHAR = field(default_factory=MHAR)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: Optimizer = field(default_factory=Optimizer)
@@ -139,6 +152,10 @@ def parse_config(argv: list[str]) -> TitanJobConfig:
     if not config.training.max_norm > 0:  # clipping to 0 zeroes every gradient: a run that does not train
         raise ValueError(f"[training] max_norm = {config.training.max_norm} must be > 0 (inf: no clipping)")
     check_converters(config.model.converters)
+    if config.model.attention_mask not in ATTENTION_MASKS:
+        raise ValueError(
+            f"[model] attention_mask = {config.model.attention_mask!r} must be one of {', '.join(ATTENTION_MASKS)}"
+        )
     check_spikes(config.spikes)
     check_stages(config)
     fingerprint.check_allow(config.checkpoint.allow_changes)  # at every start: a typo is seen at once

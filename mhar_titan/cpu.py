@@ -5,6 +5,10 @@ PREMUL_SUM reduction (and a known AVG bug), and FlexAttention has no CPU
 backward. `activate()` fixes all three in one place, so the rest of the project
 runs the same code on 8 GPUs and on 2 CPU ranks in CI. Nothing else in the
 project knows which device it runs on.
+
+Flex attention's block masks (`[model] attention_mask = "block_causal"`) are built on a CPU without
+torch.compile and applied by sdpa as an explicit boolean mask evaluated from the same mask function,
+so CPU ranks compute the masking GPUs do, not plain causal attention.
 """
 
 from __future__ import annotations
@@ -20,10 +24,14 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
+from torchtitan.models.attention import FlexAttentionWrapper
 from torchtitan.protocols.train_spec import TrainSpec
 from torchtitan.tools.logging import logger
 
+from mhar_titan.titan_compat import BLOCK_MASK_BUILDER
 from mhar_titan.titan_compat import DEVICE_GLOBALS as _DEVICE_GLOBALS  # the table the CPU shims rebind
 
 
@@ -117,7 +125,8 @@ def activate(train_specs: list[TrainSpec]) -> None:
 
 
 def install_device_module() -> None:
-    """Replace torchtitan's CUDA device globals with the CPU ones."""
+    """Replace torchtitan's CUDA device globals with the CPU ones, and its compiled block-mask builder with the
+    eager one (compiling it needs a C++ toolchain and takes longer than a tiny job)."""
     values = {"device_type": "cpu", "device_module": CPUDeviceModule()}
     for module_name, names in _DEVICE_GLOBALS.items():
         module = importlib.import_module(module_name)
@@ -125,21 +134,56 @@ def install_device_module() -> None:
             if not hasattr(module, name):
                 raise RuntimeError(f"{module_name}.{name} is gone: torchtitan is not 0.2.2")
             setattr(module, name, values[name])
+    module_name, name = BLOCK_MASK_BUILDER
+    setattr(importlib.import_module(module_name), name, create_block_mask)
+
+
+class MaskedSDPA(nn.Module):
+    """Flex attention's place on a CPU: sdpa with the block mask's mask function evaluated densely.
+
+    Every layer of a step gets the same BlockMask, so its dense [batch, 1, q, kv] mask is built once.
+    """
+
+    _last: tuple[BlockMask, torch.Tensor] | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        block_mask: BlockMask,
+        enable_gqa: bool = False,
+        scale: float | None = None,
+        **unsupported: Any,
+    ) -> torch.Tensor:
+        if any(x is not None and x is not False for x in unsupported.values()):
+            raise NotImplementedError(f"flex attention on a CPU: {sorted(unsupported)} not supported")
+        last = MaskedSDPA._last
+        if last is None or last[0] is not block_mask:
+            dense = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[-2], k.shape[-2], device=q.device)
+            MaskedSDPA._last = last = (block_mask, dense)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=last[1], scale=scale, enable_gqa=enable_gqa)
 
 
 def adapt_train_spec(spec: TrainSpec) -> None:
-    """SUM gradient reductions on every FSDP unit; sdpa attention in every flavor."""
+    """SUM gradient reductions on every FSDP unit; flex attention as sdpa with its mask."""
     if not getattr(spec.parallelize_fn, "_cpu_sum_reductions", False):
-        spec.parallelize_fn = _sum_reductions(spec.parallelize_fn)
-    for flavor, args in spec.model_args.items():
-        if getattr(args, "attn_type", "sdpa") != "sdpa":
-            logger.warning(f"CPU: flavor {flavor} uses {args.attn_type} attention; using sdpa")
-            args.attn_type = "sdpa"
-            args.attn_mask_type = "causal"
+        spec.parallelize_fn = _for_cpu(spec.parallelize_fn)
 
 
-def _sum_reductions(parallelize_fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-    """Make every FSDP unit reduce gradients with plain SUM (gloo lacks PREMUL_SUM).
+def use_masked_sdpa(model: nn.Module) -> int:
+    """Replace every flex attention module of `model` with MaskedSDPA; how many were replaced."""
+    found = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, FlexAttentionWrapper)]  # fmt: skip
+    for parent, name in found:
+        setattr(parent, name, MaskedSDPA())
+    return len(found)
+
+
+def _for_cpu(parallelize_fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """Flex attention as masked sdpa (before any compile sees the modules), and every FSDP unit reducing
+    gradients with plain SUM (gloo lacks PREMUL_SUM).
 
     torchtitan already sets the gradient divide factor to 1 and divides the loss
     by the global token count, so SUM is the exact reduction it wants.
@@ -147,6 +191,8 @@ def _sum_reductions(parallelize_fn: Callable[..., nn.Module]) -> Callable[..., n
 
     @functools.wraps(parallelize_fn)
     def parallelize(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        if use_masked_sdpa(model):
+            logger.info("CPU: flex attention runs as sdpa with the same block mask, evaluated densely")
         model = parallelize_fn(model, *args, **kwargs)
         for module in model.modules():
             if isinstance(module, FSDPModule):

@@ -29,6 +29,8 @@ REACHES = (
     ("_op_sac_save_list", "torchtitan/models/llama3/infra/parallelize.py", "module"),
     ("device_type and device_module bound by name (the CPU shims)", "torchtitan/tools/utils.py and its importers",
      "module"),
+    ("_compiled_create_block_mask, the global create_attention_mask calls (the CPU shims make it eager)",
+     "torchtitan/models/attention.py", "module"),
 )  # fmt: skip
 _WINDOW = ("time_last_log", "ntokens_since_last_log", "data_loading_times", "device_memory_monitor",
            "num_flops_per_token", "gpu_peak_flops")  # fmt: skip
@@ -41,6 +43,8 @@ DEVICE_GLOBALS = {
     "torchtitan.distributed.utils": ("device_type", "device_module"),
     "torchtitan.tools.profiling": ("device_module",),
 }
+
+BLOCK_MASK_BUILDER = ("torchtitan.models.attention", "_compiled_create_block_mask")
 
 
 def use_checkpoint_manager(cls: type[CheckpointManager]) -> None:
@@ -102,4 +106,8 @@ def missing() -> list[str]:
         problems.append(REACHES[5])
     if any(not hasattr(importlib.import_module(m), n) for m, names in DEVICE_GLOBALS.items() for n in names):
         problems.append(REACHES[6])
+    module_name, name = BLOCK_MASK_BUILDER
+    attention = importlib.import_module(module_name)
+    if not hasattr(attention, name) or name not in inspect.getsource(attention.create_attention_mask):
+        problems.append(REACHES[7])
     return [f"{what} ({file}, {where})" for what, file, where in problems]

@@ -139,3 +139,17 @@ def test_trace_summary_refuses_what_is_not_a_trace_and_keeps_two_traces_of_one_f
     main([str(plain), str(zipped)])  # one folder: each column named by its path, none dropped
     head = capsys.readouterr().out.splitlines()[0]
     assert str(plain) in head and str(zipped) in head
+
+
+def test_block_causal_runs_on_documents_of_the_asked_length_and_not_on_the_stock_arm(tmp_path, capsys):
+    from benchmarks.bench_step import _parse, document_corpus
+
+    data, measured = document_corpus(tmp_path, 1024, 60_000)
+    assert 0.9 * 1024 < measured < 1.1 * 1024  # lengths uniform in [512, 1536], counted with their eos
+    assert data[0] == "--data.mixture" and data[1].startswith("docstrings=0.7:") and ",code=0.3:" in data[1]
+    assert [len(list((tmp_path / "documents" / s).glob("*.parquet"))) for s in ("docstrings", "code")] == [4, 4]
+    with pytest.raises(SystemExit):
+        _parse(["--attention-mask", "block_causal"])  # the stock arm is among the default arms
+    assert "the stock arm is torchtitan's llama3" in capsys.readouterr().err
+    args, arms, _ = _parse(["--arms", "control,mhar_triton", "--attention-mask", "causal,block_causal"])
+    assert args.masks == ["causal", "block_causal"] and arms == ["control", "mhar_triton"]

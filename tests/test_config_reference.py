@@ -73,8 +73,8 @@ def test_every_key_of_our_sections_has_a_description():
 
 def test_the_page_marks_what_is_ours():
     by_name = {s.name: s for s in reference.sections()}
-    assert by_name["mhar"].origin == reference.OURS and by_name["model"].origin == reference.TITAN
-    assert by_name["checkpoint"].origin == reference.BOTH
+    assert by_name["mhar"].origin == reference.OURS and by_name["metrics"].origin == reference.TITAN
+    assert by_name["checkpoint"].origin == by_name["model"].origin == reference.BOTH
     row = page_tables(reference.render())["checkpoint"]["keep_every"]
     assert row[0] == f"`keep_every` ({reference.OURS})"
 

@@ -1,4 +1,4 @@
-"""The CPU device module and the gloo/sdpa adaptation of train specs."""
+"""The CPU device module and the gloo/masked-sdpa adaptation of train specs."""
 
 import os
 import subprocess
@@ -12,6 +12,7 @@ import torch.nn as nn
 from conftest import REPO
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torchtitan.models.attention import FlexAttentionWrapper
 
 from mhar_titan import cpu
 from mhar_titan.train_spec import build_train_spec
@@ -40,6 +41,9 @@ def test_activate_points_every_torchtitan_device_global_at_cpu():
         "    for n in names:\n"
         "        v = getattr(m, n)\n"
         "        assert (v == 'cpu') if n == 'device_type' else isinstance(v, cpu.CPUDeviceModule), (mod, n, v)\n"
+        "import torchtitan.models.attention as a\n"
+        "from torch.nn.attention.flex_attention import create_block_mask\n"
+        "assert a._compiled_create_block_mask is create_block_mask  # block masks built without torch.compile\n"
         "from torchtitan.components.metrics import build_device_memory_monitor\n"
         "assert build_device_memory_monitor().get_peak_stats().max_reserved_gib > 0\n"
         "print('ok')\n"
@@ -69,21 +73,20 @@ def _sum_flags(model: nn.Module) -> list[bool]:
     return [g.force_sum_reduction_for_comms for g in groups if g is not None]
 
 
-def test_adapted_spec_forces_sum_reductions_and_sdpa(gloo_world):
+def test_adapted_spec_forces_sum_reductions_and_masked_sdpa_for_flex(gloo_world):
     spec = build_train_spec()
-    spec.model_args["tiny"].attn_type = "flex"
-    spec.model_args["tiny"].attn_mask_type = "block_causal"
     spec.parallelize_fn = lambda model, mesh: _shard(model, mesh)
 
-    plain = spec.parallelize_fn(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), gloo_world)
+    def model() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), FlexAttentionWrapper()))
+
+    plain = spec.parallelize_fn(model(), gloo_world)
     assert _sum_flags(plain) == [False, False]
 
     cpu.adapt_train_spec(spec)
     cpu.adapt_train_spec(spec)  # idempotent
-    adapted = spec.parallelize_fn(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), gloo_world)
+    adapted = spec.parallelize_fn(model(), gloo_world)
     assert _sum_flags(adapted) == [True, True]
-    assert spec.model_args["tiny"].attn_type == "sdpa"
-    assert spec.model_args["tiny"].attn_mask_type == "causal"
-    # a fresh spec is unaffected: flavors are copied per spec
-    assert build_train_spec().model_args["tiny"].attn_type == "sdpa"
+    assert isinstance(adapted[1][1], cpu.MaskedSDPA)  # flex attention has no CPU backward
+    # a fresh spec is unaffected
     assert build_train_spec().parallelize_fn is not spec.parallelize_fn

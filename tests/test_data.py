@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import REPO
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from data.config import DataConfig
@@ -259,6 +260,22 @@ def test_validation_set_is_fixed_finite_and_held_out(corpus):
     held = [t for v in docs.values() for t, _ in v if t and held_out(t, 0.3)]
     train_docs = [d for s in range(4) for d in stream_docs(cfg, docs, s)]
     assert held and not set(held) & set(train_docs)
+
+
+def test_document_starts_can_be_left_out_of_the_loss(corpus):
+    """`loss_on_document_start = false`: the same windows; the label after each eos, and only it, is ignored."""
+    folder, _ = corpus
+    (a, _), (b, _) = take(loader(cfg_for(folder)), 6), take(loader(cfg_for(folder, loss_on_document_start=False)), 6)
+    eos = 0
+    for (inputs, labels), (inputs_b, labels_b) in zip(a, b, strict=True):
+        at_eos = inputs["input"] == ENCODE.eos_id
+        eos += int(at_eos.sum())
+        assert torch.equal(inputs["input"], inputs_b["input"])
+        assert torch.equal(labels_b, labels.masked_fill(at_eos, IGNORE_INDEX)) and (labels_b[~at_eos] >= 0).all()
+    assert eos > 0
+    cfg = cfg_for(folder, validation_fraction=0.3, loss_on_document_start=False)
+    val = list(ValidationLoader(cfg, list_shards(cfg.paths), ENCODE, SEQ, BATCH, 0, 1))
+    assert val and all(torch.equal(labels == IGNORE_INDEX, inputs["input"] == ENCODE.eos_id) for inputs, labels in val)
 
 
 def test_loader_settings_are_checked():

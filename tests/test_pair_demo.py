@@ -1,4 +1,6 @@
-"""The demo's path in short: a random HF base, the pair through launch/pair.sh, then the comparison."""
+"""The demo's path in short: a random HF base, the pair through launch/pair.sh, then the comparison; the pair
+runs with document masking (block-causal attention, no loss on a document's first token), which the graft's
+identity must survive."""
 
 import json
 import os
@@ -29,6 +31,7 @@ def test_pair_from_an_hf_base_starts_identical_and_the_report_says_so(tmp_path):
     cmd += ["--model.flavor", "hf", "--model.hf_assets_path", str(base), "--checkpoint.initial_load_in_hf"]
     cmd += ["--training.steps", "4", "--lr_scheduler.total_steps", "4", "--validation.freq", "2"]
     cmd += ["--validation.steps", "2", "--mhar.num_blocks", "2", "--mhar.stats_freq", "2"]
+    cmd += ["--model.attention_mask", "block_causal", "--data.no-loss_on_document_start"]
     env = {**os.environ, "PYTHON": sys.executable, "RUNS_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -66,6 +69,10 @@ def test_pair_from_an_hf_base_starts_identical_and_the_report_says_so(tmp_path):
         folder = pair / arm
         resolved = parse_config(["--job.config_file", str(folder / "config.resolved.toml")])
         assert resolved.mhar.enable is enabled and resolved.training.steps == 4 and resolved.mhar.num_blocks == 2
+        assert resolved.model.attention_mask == "block_causal" and not resolved.data.loss_on_document_start
+        recorded = json.loads((folder / "fingerprint.json").read_text())
+        assert recorded["model"]["attn_mask_type"] == "block_causal"
+        assert recorded["data"]["loss_on_document_start"] is False
         assert resolved.job.dump_folder == str(folder) and resolved.model.hf_assets_path == str(base)
         assert json.loads((folder / "environment.json").read_text())["world_size"] == 2
         assert [json.loads(line)["step"] for line in (folder / "starts.jsonl").read_text().splitlines()] == [0]

@@ -2,12 +2,14 @@
 
 Recorded as `<dump_folder>/fingerprint.json` once a job has checked (or started) its weights,
 in four groups:
-- model: the architecture and the `[mhar]` graft (not the routing backend, which computes the same op);
+- model: the architecture, the attention mask and the `[mhar]` graft (not the routing backend, which computes
+  the same op);
 - base: the weights a fresh start loads (path, and hashes of its config.json and weight index);
 - data: the shards after the start-up check (their paths below the corpus folder, hashed; per
   mixture source with its weight; the mixture stages' weights by step), each source's contents
   (every shard's size and parquet footer, hashed: a corpus re-prepared in place differs), the order's
-  seed and streams, the windows per loader batch (local_batch_size), the columns, the validation sets;
+  seed and streams, the windows per loader batch (local_batch_size), the columns, the validation sets, whether
+  the loss counts each document's first token;
 - schedule: optimizer and LR schedule settings, global batch and sequence length, z-loss, EMA, and the
   precision (model converters such as float8, recorded only when there are any).
 A job that would load one of the run's checkpoints compares its own fingerprint with the
@@ -140,7 +142,9 @@ def data_group(
         sources = parse_mixture(cfg)
         stages = parse_stages(cfg, [s.name for s in sources], [s.weight for s in sources], None)
         optional["mixture_stages"] = StageSchedule(stages).describe([s.name for s in sources])[1:]
-    for key, default in (("on_source_exhausted", "repeat"), ("bos", "auto"), ("validation_sets", [])):
+    for key, default in (
+        ("on_source_exhausted", "repeat"), ("bos", "auto"), ("validation_sets", []), ("loss_on_document_start", True)
+    ):  # fmt: skip
         if getattr(cfg, key) != default:
             optional[key] = getattr(cfg, key)
     if contents is not None:

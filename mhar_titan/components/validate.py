@@ -46,7 +46,11 @@ class FixedSetValidator:
         parallel_dims: ParallelDims,
         validation_context: Callable[[], AbstractContextManager[None]],
         maybe_enable_amp: AbstractContextManager[None],
+        tokenizer: BaseTokenizer | None = None,
     ):
+        """`tokenizer`: its eos marks the documents for the model's attention masks (flex attention's block
+        causal masking), as in training."""
+        self.tokenizer = tokenizer
         self.freq, self.max_batches = job_config.validation.freq, job_config.validation.steps
         self.loaders, self.parallel_dims = loaders, parallel_dims
         self.context, self.amp = validation_context, maybe_enable_amp
@@ -105,7 +109,7 @@ class FixedSetValidator:
             for inputs, labels in self.batches(loader, device):
                 inputs, labels = inputs.to(device), labels.to(device)
                 with self.context(), self.amp:
-                    ce = cross_entropy_sum(model(inputs), labels)
+                    ce = cross_entropy_sum(model(inputs, **self._masks(model, inputs)), labels)
                 rows.append(torch.stack([ce.double(), (labels != IGNORE_INDEX).sum().double()]))
             mine = torch.stack(rows)  # [batches, 2]
             if self._group() is not None:
@@ -117,6 +121,15 @@ class FixedSetValidator:
             out[loader.name] = (total[0] / total[1]).item()
         model.train(was_training)
         return out
+
+    def _masks(self, model: nn.Module, inputs: torch.Tensor) -> dict[str, Any]:
+        """The attention masks the model's attention needs, built as torchtitan's Trainer.post_dataloading_process
+        builds them (torchtitan 0.2.2 torchtitan/train.py); none for sdpa."""
+        if getattr(model.model_args, "attn_type", "sdpa") not in ("flex", "varlen"):
+            return {}
+        if self.tokenizer is None:
+            raise ValueError("validation with flex attention needs the tokenizer (its eos marks the documents)")
+        return {"attention_masks": model.get_attention_masks(input_batch=inputs, tokenizer=self.tokenizer)}
 
 
 def run_validation(
@@ -186,4 +199,4 @@ def build_fixed_set_validator(
         held = [p for name, paths in shards.items() if vset.heldout in ("*", name) for p in paths]
         sizes = {"seq_len": v.seq_len, "batch": v.local_batch_size, "dp_rank": dp_rank, "dp_world": dp_world_size}
         loaders.append(ValidationLoader(cfg, held, encode, **sizes, vset=vset))
-    return FixedSetValidator(job_config, loaders, parallel_dims, validation_context, maybe_enable_amp)
+    return FixedSetValidator(job_config, loaders, parallel_dims, validation_context, maybe_enable_amp, tokenizer)

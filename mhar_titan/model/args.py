@@ -74,6 +74,10 @@ class MHARModelArgs(TransformerModelArgs):
             for name in _LLAMA_FIELDS:
                 setattr(self, name, getattr(llama, name))
         super().update_from_config(job_config, **kwargs)
+        # Document masking is flex attention's block mask (torchtitan's llama3 get_attention_masks); plain causal
+        # stays on sdpa, its fastest kernel.
+        self.attn_mask_type = getattr(job_config.model, "attention_mask", "causal")
+        self.attn_type = "flex" if self.attn_mask_type == "block_causal" else "sdpa"
         self.mhar = copy.deepcopy(job_config.mhar)
         self.validate()
 
