@@ -25,6 +25,7 @@ from mhar_titan.components.tensorboard_scalars import read_scalars
 STEPS = ("--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2", "--validation.no-enable")
 SCHEDULE = ("--lr_scheduler.total_steps", "12", "--lr_scheduler.warmup_steps", "2")
 ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+ONE_RANK = ("--training.global_batch_size", "8")  # the base's 2 ranks x 4 windows, as 2 microbatches on 1 rank
 
 
 def mixture(corpus: Path) -> tuple[str, ...]:
@@ -72,7 +73,7 @@ def test_another_rank_count_continues_exactly_and_another_local_batch_is_refused
     # global batch: 2 microbatches of 4 windows a step, the same windows of the same streams as 2 ranks took.
     resumed = copy_run(run, tmp_path / "one_rank", drop=(7,))
     args = ("--training.steps", "7", *STEPS, *SCHEDULE, *mixture(corpus))
-    torchrun(resumed, *args, "--training.global_batch_size", "8", nproc=1)
+    torchrun(resumed, *args, *ONE_RANK, nproc=1)
     assert streams(resumed, 7) == streams(run, 7)
     assert read_scalars(resumed, "tokens_seen")[7] == read_scalars(run, "tokens_seen")[7]
 
@@ -121,7 +122,10 @@ def test_a_corpus_rewritten_in_place_is_refused_before_the_run_is_touched(base, 
     subprocess.run([sys.executable, "-m", "data.index", str(moved / "code")], cwd=REPO, check=True, capture_output=True)
     resumed = copy_run(run, tmp_path / "run", drop=(7,))
     before = files(resumed)
-    proc = torchrun(resumed, "--training.steps", "8", *STEPS, *SCHEDULE, *mixture(moved), check=False)
+    # one rank, the run's global batch: the refusal does not depend on the rank count (one process fewer)
+    proc = torchrun(
+        resumed, "--training.steps", "8", *STEPS, *SCHEDULE, *mixture(moved), *ONE_RANK, nproc=1, check=False
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert 'data.contents.code: "' in log and "data.contents.docstrings" not in log
@@ -134,13 +138,13 @@ def test_a_run_folder_without_its_fingerprint_needs_allow_changes_legacy(base, t
     resumed = copy_run(run, tmp_path / "run", drop=(7,))
     (resumed / "fingerprint.json").unlink()
     before = files(resumed)
-    args = ("--training.steps", "7", *STEPS, *SCHEDULE, *mixture(corpus))
-    proc = torchrun(resumed, *args, check=False)
+    args = ("--training.steps", "7", *STEPS, *SCHEDULE, *mixture(corpus), *ONE_RANK)  # one rank: as on two
+    proc = torchrun(resumed, *args, nproc=1, check=False)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "holds checkpoints (steps 6..6) but no fingerprint.json" in log
     assert "--checkpoint.allow_changes legacy" in log
     assert files(resumed) == before
-    proc = torchrun(resumed, *args, "--checkpoint.allow_changes", "legacy")
+    proc = torchrun(resumed, *args, "--checkpoint.allow_changes", "legacy", nproc=1)
     assert "Training starts at step 7" in proc.stdout + proc.stderr
     assert (resumed / "fingerprint.json").exists()
 
