@@ -28,7 +28,8 @@ def _arm_parent_death_signal() -> None:
         lifetime.die_with_parent(_PARENT_AT_START)
 
 
-_arm_parent_death_signal()
+if __name__ == "__main__":  # not where torch's checkpoint process imports this file (as __mp_main__): see lifetime.py
+    _arm_parent_death_signal()
 
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 

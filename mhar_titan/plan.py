@@ -28,6 +28,11 @@ with gradients, the last input gradients). It is printed for the control arm (th
 Checked on one GPU at 8 and 16 layers of the 8B width: both arms in every mode in bf16, and float8 as above
 (tests/test_plan.py holds the measured peaks); the FSDP terms are the same accounting, not yet measured on 8
 GPUs.
+
+Host memory a rank for checkpoint saves, by `[checkpoint] async_mode` (`host_checkpoint`): the synchronous saves'
+page-locked buffers (one per distinct shape of the rank's shards of at least 1 MiB, kept); `async` adds a
+pageable copy of the rank's whole state while each save writes; `async_with_pinned_mem` keeps a page-locked,
+shared copy of it from the first save to the job's end, and torch's checkpoint process beside it.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import copy
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -55,6 +61,8 @@ GIB = 2**30
 MODES = ("none", "selective", "full")  # fastest first (make bench-step: docs/performance.md)
 CUBLAS_WORKSPACES = 2 * 32 * 2**20  # two streams' cuBLAS workspaces on Hopper
 RUNTIME_RESERVE = 1.5 * GIB  # CUDA context, NCCL buffers, allocator slack: outside torch's count
+STAGE_MIN_BYTES = 2**20  # the synchronous writer's page-locked staging threshold (components/dcp_io.py)
+ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")  # torchtitan's [checkpoint] async_mode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +87,7 @@ class Geometry:
     routing_heads: int
     ema: bool
     float8: bool = False  # float8 linear layers (torchtitan's converter)
+    staged_bytes: int = 0  # a rank's fp32 shards of at least STAGE_MIN_BYTES, one of each shape
 
     @property
     def fsdp(self) -> bool:
@@ -95,6 +104,7 @@ def geometry(cfg: JobConfig, gpus: int, mhar: bool, layers: int | None = None) -
     with torch.device("meta"):
         model = MHARTransformer(args)
     layer = model.layers["0"]
+    ranks = max(1, gpus // max(1, cfg.parallelism.data_parallel_replicate_degree))
     return Geometry(
         params=sum(p.numel() for p in model.parameters()),
         layer_params=sum(p.numel() for p in layer.parameters()),
@@ -108,13 +118,35 @@ def geometry(cfg: JobConfig, gpus: int, mhar: bool, layers: int | None = None) -
         layers=args.n_layers,
         vocab=args.vocab_size,
         tokens=cfg.training.local_batch_size * cfg.training.seq_len,
-        ranks=max(1, gpus // max(1, cfg.parallelism.data_parallel_replicate_degree)),
+        ranks=ranks,
         mhar=mhar,
         num_blocks=cfg.mhar.num_blocks,
         routing_heads=cfg.mhar.num_heads,
         ema=cfg.ema.enable,
         float8=any("float8" in c for c in cfg.model.converters),
+        staged_bytes=staged_shapes_bytes([tuple(p.shape) for p in model.parameters()], ranks),
     )
+
+
+def staged_shapes_bytes(shapes: list[tuple[int, ...]], ranks: int) -> int:
+    """The synchronous save's reused page-locked buffers on one rank (components/dcp_io.PinnedStaging): one per
+    distinct shape of the rank's fp32 shards (FSDP2 splits dim 0 into ceil(rows / ranks) rows) of at least
+    STAGE_MIN_BYTES; weights, AdamW's moments and the EMA share each shape's buffer, written one after another."""
+    local = {(-(-shape[0] // ranks), *shape[1:]) for shape in shapes if shape}
+    sizes = [4 * math.prod(shape) for shape in local]
+    return sum(size for size in sizes if size >= STAGE_MIN_BYTES)
+
+
+def host_checkpoint(g: Geometry, async_mode: str) -> dict[str, float]:
+    """Host bytes a rank's checkpoint saves take in `async_mode`: page-locked memory kept for the job (the
+    synchronous saves' buffers, which every mode uses for its last and stop saves; with async_with_pinned_mem
+    also torchtitan's pinned, shared staging copy of the whole state), and pageable memory held while a save
+    writes (`async`: a copy of the whole state, freed when its write completes)."""
+    if async_mode not in ASYNC_MODES:
+        raise ValueError(f"[checkpoint] async_mode {async_mode!r}: expected one of {', '.join(ASYNC_MODES)}")
+    state = (4 + 8 + (4 if g.ema else 0)) * g.params / g.ranks  # what estimate() counts on the GPU
+    pinned = g.staged_bytes + (state if async_mode == "async_with_pinned_mem" else 0)
+    return {"page_locked": pinned, "during_save": state if async_mode == "async" else 0.0}
 
 
 def model_args(cfg: JobConfig) -> MHARModelArgs:
@@ -213,6 +245,7 @@ def plan(cfg: JobConfig, gpus: int, gpu_memory: float, margin: float) -> dict[st
     arms = {arm: geometry(cfg, gpus, mhar) for arm, mhar in (("control", False), ("mhar", True))}
     peaks = {mode: {arm: estimate(g, mode) for arm, g in arms.items()} for mode in MODES}
     fits = [m for m in MODES if all(e["peak"] <= budget for e in peaks[m].values())]
+    host = {m: _gib(host_checkpoint(arms["mhar"], m)) for m in ASYNC_MODES}  # the larger arm
     return {
         "gpus": gpus,
         "fsdp_ranks": arms["control"].ranks,
@@ -222,7 +255,16 @@ def plan(cfg: JobConfig, gpus: int, gpu_memory: float, margin: float) -> dict[st
         "peak_gib": {m: {arm: e["peak"] / GIB for arm, e in per.items()} for m, per in peaks.items()},
         "parts_gib": {m: {arm: _gib(e["parts"]) for arm, e in per.items()} for m, per in peaks.items()},
         "recommended": fits[0] if fits else None,
+        "host_checkpoint_gib": host,
+        "async_mode": cfg.checkpoint.async_mode,
     }
+
+
+def host_text(host: dict[str, dict[str, float]], mode: str) -> str:
+    """One line: each async_mode's host memory a rank for checkpoint saves (GiB), and the config's mode."""
+    parts = [f"{m} {h['page_locked']:.1f} page-locked" + (f" + {h['during_save']:.1f} while a save writes"
+             if h["during_save"] else "") for m, h in host.items()]  # fmt: skip
+    return f"host memory a rank for checkpoint saves (GiB; x ranks a node): {'; '.join(parts)} (this config: {mode})"
 
 
 def full_depth(cfg: JobConfig) -> int:
@@ -292,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
         peak = result["peak_gib"][mode]
         fits = "yes" if max(peak.values()) <= result["budget_gib"] else "no"
         print(f"{mode:<12}{peak['control']:>14.1f}{peak['mhar']:>12.1f}  {fits}")
+    print(host_text(result["host_checkpoint_gib"], result["async_mode"]))
     best = result["recommended"]
     if best is None:
         print("no mode fits: use more GPUs, a smaller local_batch_size, or a larger --margin budget")

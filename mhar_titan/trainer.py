@@ -130,9 +130,8 @@ class CPTTrainer(RunFolder, Trainer):
                 if short and self.exhausted:
                     self.checkpointer.save_now(self.step)
                     raise self._exhausted_exit(self._exhausted_sources(), again=False)
-                for tracer in (profiler, memory):
-                    if tracer:
-                        tracer.step()
+                for tracer in filter(None, (profiler, memory)):
+                    tracer.step()
                 if first:  # compile and lazy init are done: shorter timeouts for a faster signal
                     timeout = timedelta(seconds=cfg.comm.train_timeout_seconds)
                     dist_utils.set_pg_timeouts(timeout=timeout, parallel_dims=self.parallel_dims)
@@ -275,6 +274,7 @@ class CPTTrainer(RunFolder, Trainer):
         """Every validation set with the raw and EMA weights to TensorBoard and, on rank 0, every batch's CE to
         validation/step-N.json; its time is left out of the training throughput and counted in the ETA."""
         self.optimizers.zero_grad()  # the last step's gradients are not read again: validation gets their memory
+        self.checkpointer.maybe_wait_for_staging()  # a background save still copying the weights the EMA swaps
         began = time.perf_counter()
         folder = os.path.join(self.job_config.job.dump_folder, "validation")
         record = folder if torch.distributed.get_rank() == 0 else None

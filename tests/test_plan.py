@@ -8,7 +8,7 @@ import pytest
 from conftest import REPO
 
 from mhar_titan.config import parse_config
-from mhar_titan.plan import GIB, estimate, geometry, main, parse_memory
+from mhar_titan.plan import GIB, estimate, geometry, host_checkpoint, main, parse_memory
 
 # (flavor, arm, mode): (peak active GiB, allocated GiB after the forward), as make bench-step printed them
 MEASURED = {
@@ -87,3 +87,28 @@ def test_a_plan_that_cannot_fit_says_so_and_bad_input_is_named(capsys, tmp_path)
     with pytest.raises(SystemExit):
         main([str(tmp_path / "absent.toml"), "--gpus", "8", "--gpu-memory", "80GiB"])
     assert "absent.toml: no such file" in capsys.readouterr().err
+
+
+def test_host_memory_for_checkpoints_counts_each_mode_page_locked_and_while_writing(capsys):
+    """The synchronous saves' page-locked buffers: one per distinct fp32 shard shape of at least 1 MiB (at the 8B
+    width: the embedding's, which the output shares, wq's and wo's, wk's and wv's, w1's and w3's, w2's); `async`
+    a pageable copy of the state while a save writes; `async_with_pinned_mem` a page-locked copy kept."""
+    args = ["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--model.flavor", "marin8b_8l", *BENCH]
+    g = geometry(parse_config([*args, "--ema.no-enable"]), gpus=1, mhar=False)
+    shapes = 4 * 4096 * (128256 + 4096 + 1024 + 14336 + 14336)
+    assert g.staged_bytes == shapes  # 2.47 GiB; the norms (16 KiB) go through DCP's own copy
+    state = 12 * g.params  # fp32 weights and AdamW's two moments, no EMA
+    assert host_checkpoint(g, "disabled") == {"page_locked": shapes, "during_save": 0.0}
+    assert host_checkpoint(g, "async") == {"page_locked": shapes, "during_save": state}
+    assert host_checkpoint(g, "async_with_pinned_mem") == {"page_locked": shapes + state, "during_save": 0.0}
+    with pytest.raises(ValueError, match="async_mode 'sync'"):
+        host_checkpoint(g, "sync")
+    eight = geometry(parse_config(args), gpus=8, mhar=False)  # FSDP2 shards dim 0: 16,032 embedding rows a rank
+    assert eight.staged_bytes == 4 * (16032 * 4096 + 512 * 4096 + 128 * 4096 + 1792 * 4096 + 512 * 14336)
+    assert host_checkpoint(eight, "async_with_pinned_mem")["page_locked"] == eight.staged_bytes + 16 * eight.params / 8
+
+    main([str(REPO / "configs" / "marin8b_mhar.toml"), "--gpus", "8", "--gpu-memory", "80GiB", "--model.flavor",
+          "marin8b", "--checkpoint.async_mode", "async"])  # fmt: skip
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("host memory"))
+    assert line.endswith("async_with_pinned_mem 15.3 page-locked (this config: async)"), line
+    assert "async 0.3 page-locked + 15.0 while a save writes" in line

@@ -1,6 +1,7 @@
 """2-rank FSDP2 training through train_cpt.py on CPU, checkpoint, and exact resume: after a clean
-stop, a SIGKILL, a SIGTERM to the launcher (checkpoint, requeue code), a flipped bit in the newest
-checkpoint and on another number of ranks; crafted checkpoints and other architectures refused."""
+stop, a SIGKILL, a SIGTERM to the launcher (checkpoint, requeue code), a SIGTERM while a background
+save writes, a flipped bit in the newest checkpoint and on another number of ranks; crafted
+checkpoints and other architectures refused."""
 
 import json
 import os
@@ -19,6 +20,9 @@ from conftest import REPO, process_tree, torchrun
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from mhar_titan.components.checkpoint import complete_steps
+from mhar_titan.components.checksums import MANIFEST_DIR, verify_share
+from mhar_titan.components.save_hold import ENV as HOLD_SAVE
 from mhar_titan.components.tensorboard_scalars import LOSS_TAG, read_scalars
 from mhar_titan.config import parse_config
 from mhar_titan.hf.run import load_run_checkpoint
@@ -161,9 +165,10 @@ def test_resume_with_another_architecture_is_refused_before_anything_is_rewritte
     run = tmp_path / "run"
     shutil.copytree(straight, run)
     recorded = {name: (run / name).read_bytes() for name in ("model_args.json", "fingerprint.json")}
-    args = ("--training.steps", "8", *SCHEDULE, *VALIDATE)
+    # one rank with the run's global batch (2 ranks x 4 windows): the refusal does not depend on the rank count
+    args = ("--training.steps", "8", *SCHEDULE, *VALIDATE, "--training.global_batch_size", "8")
 
-    proc = torchrun(run, *args, config="configs/tiny_cpu_mhar.toml", check=False)  # control run, MHAR job
+    proc = torchrun(run, *args, config="configs/tiny_cpu_mhar.toml", nproc=1, check=False)  # control run, MHAR job
     assert proc.returncode != 0
     assert "model.mhar.enable: false in the run, true now" in proc.stdout + proc.stderr
 
@@ -171,7 +176,7 @@ def test_resume_with_another_architecture_is_refused_before_anything_is_rewritte
     fingerprint = json.loads(recorded["fingerprint.json"])
     fingerprint["model"]["mhar"] = {"enable": True, "num_heads": 8, "num_blocks": 2}
     (run / "fingerprint.json").write_text(json.dumps(fingerprint))
-    proc = torchrun(run, *args, check=False)
+    proc = torchrun(run, *args, nproc=1, check=False)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "model.mhar.enable: true in the run, false now" in log
@@ -248,3 +253,57 @@ def test_killed_preempted_and_corrupted_runs_resume_to_the_same_losses(straight,
     steps = [e.step for e in events.Scalars(LOSS_TAG)]
     assert steps == list(range(1, 9)), steps
     assert [e.value for e in events.Scalars(LOSS_TAG)] == [read_scalars(straight, LOSS_TAG)[s] for s in steps]
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    return {k: v for key, value in tree.items() for k, v in (
+        _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}).items()}  # fmt: skip
+
+
+def _everything(step_dir: Path, out: Path) -> dict:
+    dcp_to_torch_save(str(step_dir), str(out))
+    return _flat(torch.load(out, weights_only=False))
+
+
+def test_a_stop_during_a_background_save_waits_for_it_and_resumes_to_the_same_losses(straight, tmp_path):
+    run, asynchronous = tmp_path / "run", ("--training.steps", "8", *SCHEDULE_EVERY_2, *VALIDATE)
+    ckpt = run / "checkpoint"
+    # 1. Saves every 2 steps in torch's checkpoint process (async_with_pinned_mem: staged by a thread while the
+    #    next step runs and validation swaps the EMA in). The save of step 4 is held before it writes a byte while
+    #    the job gets SIGTERM (components/save_hold.py): the stop after step 5 waits for it, then saves step 5.
+    proc = torchrun(run, *asynchronous, "--checkpoint.async_mode", "async_with_pinned_mem", env={HOLD_SAVE: "4"},
+                    check=False)  # fmt: skip
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 75, log[-3000:]
+    # in the trainer's log: the stop found step 4 still being written and waited for it (the checkpoint process
+    # logs its release on a stream of its own)
+    events = ["SIGTERM while", "step 5/8", f"for the background save of {ckpt / 'step-4'}",
+              f"{ckpt / 'step-5'}: written and checksummed"]  # fmt: skip
+    at = [proc.stdout.find(e) for e in events]
+    assert -1 not in at and at == sorted(at), dict(zip(events, at, strict=True))
+    assert "step-4 released, writing" in log
+    assert json.loads((run / "preempted.json").read_text())["step"] == 5
+    assert complete_steps(str(ckpt)) == [2, 4, 5] and not list(ckpt.glob("*.waiting-*"))
+    for step in (2, 4, 5):  # each sealed by both ranks' checksums, and intact
+        assert sorted(os.listdir(ckpt / f"step-{step}" / MANIFEST_DIR)) == ["rank-00000.json", "rank-00001.json"]
+        assert verify_share(str(ckpt / f"step-{step}"), 0, 1) == ([], [])
+    # the background save holds what the uninterrupted run's synchronous one holds, every tensor and value
+    want = _everything(straight / "checkpoint" / "step-4", tmp_path / "want.pt")
+    got = _everything(ckpt / "step-4", tmp_path / "got.pt")
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not (torch.equal(got[k], want[k]) if torch.is_tensor(want[k]) else got[k] == want[k])
+            ] == []  # fmt: skip
+
+    # 2. Requeued, saving in a background thread (async): the losses, validations and weights of the run that was
+    #    never stopped, bit for bit.
+    proc = torchrun(run, *asynchronous, "--checkpoint.async_mode", "async")
+    assert "Training starts at step 6" in proc.stdout + proc.stderr
+    for tag in (LOSS_TAG, GRAD_NORM_TAG, "val/ce", "val/ce_ema", *SPIKE_SCORES):
+        want, got = read_scalars(straight, tag), read_scalars(run, tag)
+        assert got == want, f"{tag}: {got} != uninterrupted {want}"
+    assert complete_steps(str(ckpt)) == [5, 6, 8]  # keep_latest_k 3 (configs/tiny_cpu.toml)
+    assert verify_share(str(ckpt / "step-6"), 0, 1) == ([], [])
+    for ema in (False, True):
+        want = load_run_checkpoint(str(straight), 8, ema=ema).state_dict()
+        got = load_run_checkpoint(str(run), 8, ema=ema).state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want), f"ema={ema}: weights differ"

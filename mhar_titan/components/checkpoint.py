@@ -4,8 +4,11 @@ to the previous checkpoint when the newest is damaged, a retention policy that c
 complete checkpoints (last `keep_latest_k`, plus every `keep_every`-th step), and non-tensor
 state read back as data only.
 
-A checkpoint is complete once DCP has written its `.metadata`, which it does last: a job
-killed mid-write leaves a folder without it, which is never loaded and is removed later.
+A checkpoint is complete once DCP has written its `.metadata`, which it does last, after every rank's files
+and checksums (components/sealed_save.py): a job killed mid-write leaves a folder without it, which is never
+loaded and is removed later. Saves run in the loop or, with torchtitan's `[checkpoint] async_mode`, in the
+background; a background save is waited for before the next save, a stop's save (preemption, bad steps, a
+source read to its end), the last step's save and the job's end (the run lock is held until then).
 
 The routing parameters of the MHAR arm are not in the base checkpoint: they keep
 their initialisation (gate 0, so the model is the base model) and are listed in
@@ -18,8 +21,8 @@ from __future__ import annotations
 import io
 import os
 import re
+import sys
 import time
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -28,14 +31,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection
 
 from data.collectives import gather_objects
-from mhar_titan.components.checksums import verify_share, without_torch_crc32, write_manifest
-from mhar_titan.components.dcp_io import ParallelFileSystemReader, PinnedStaging, StreamingFileSystemWriter
+from mhar_titan.components import save_hold, sealed_save
+from mhar_titan.components.checksums import verify_share, without_torch_crc32
+from mhar_titan.components.dcp_io import ParallelFileSystemReader, PinnedStaging
 from mhar_titan.components.run_checks import save_failure
+from mhar_titan.components.sealed_save import ReusedStager, SealedBackgroundWriter, SealedStreamingWriter
 from mhar_titan.model.state_dict_adapter import OUR_ROUTING
 
 LEDGER_FILE = "load_ledger.json"
@@ -128,7 +134,10 @@ class CPTCheckpointManager(CheckpointManager):
         super().__init__(*args, **kwargs)
         cfg = kwargs["checkpoint_config"]
         self.keep_every = getattr(cfg, "keep_every", 0)
-        self.staging = PinnedStaging()  # kept from save to save
+        self.pinned_staging = PinnedStaging()  # the synchronous saves', kept from save to save
+        self.pending: str | None = None  # the checkpoint a background save is writing
+        if self.enable and self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM and not torch.cuda.is_available():
+            self.stager = sealed_save.pinned_stager()  # before torchtitan's save makes its own, which needs a GPU
         self.expected_bytes = 0  # one checkpoint's size on disk, set by the trainer: for a full disk's message
         self.kept_steps: set[int] = set()  # kept out of retention besides the policy's (the checkpoint before a spike)
         self._told_links: set[int] = set()
@@ -238,7 +247,8 @@ class CPTCheckpointManager(CheckpointManager):
             self._purge_stale_checkpoints()
 
     def save_now(self, step: int) -> None:
-        """A full, resumable checkpoint at `step` whatever the interval (preemption, a stop on bad steps)."""
+        """A full, resumable checkpoint at `step` whatever the interval (preemption, a stop on bad steps), once a
+        background save still writing is complete: written in the loop, as the job ends after it."""
         if not self.enable or self.load_only:
             logger.warning(f"step {step}: checkpointing is off, nothing saved")
             return
@@ -262,38 +272,94 @@ class CPTCheckpointManager(CheckpointManager):
         enable_garbage_collection: bool = False,
         to_hf: bool = False,
     ) -> Any:
-        """torchtitan's save (without torch.save's CRC32: our checksums cover the files; a synchronous save is
-        written record by record, its GPU tensors through reused page-locked buffers), then this rank's checksums
-        once its files are written (at once, or when an asynchronous save completes)."""
+        """torchtitan's save, through sealed writers (sealed_save.py: every rank's checksums are on disk before
+        `.metadata` completes the checkpoint; no torch.save CRC32, which they make redundant): a synchronous save
+        written record by record, its GPU tensors through reused page-locked buffers; a background one as
+        torchtitan starts it (`_background_save`)."""
         try:
-            with without_torch_crc32():
-                if to_hf or async_mode != AsyncMode.DISABLED:
-                    ret = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
-                else:  # torchtitan 0.2.2 CheckpointManager.dcp_save's synchronous DCP branch, our writer
-                    writer = StreamingFileSystemWriter(checkpoint_id, self.staging)
+            if to_hf:
+                ret = super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+            elif async_mode != AsyncMode.DISABLED:
+                ret = self._background_save(state_dict, checkpoint_id, async_mode)
+            else:  # torchtitan 0.2.2 CheckpointManager.dcp_save's synchronous DCP branch, our writer
+                began = time.perf_counter()
+                with without_torch_crc32():
+                    writer = SealedStreamingWriter(checkpoint_id, self.pinned_staging)
                     ret = dcp.save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id)
-                    if enable_garbage_collection:
-                        GarbageCollection.collect("GC collection invoked by checkpointer.")
+                logger.info(f"{checkpoint_id}: written and checksummed in {time.perf_counter() - began:.1f} s")
+                if enable_garbage_collection:
+                    GarbageCollection.collect("GC collection invoked by checkpointer.")
         except (Exception, CheckpointException) as e:  # a full disk reads "unexpected pos" there: say it
             failure = save_failure(checkpoint_id, self.expected_bytes, e)
             if failure is e:
                 raise
             raise failure from e
-        if to_hf:
-            return ret
-        rank = _rank_world()[0]
-        future = getattr(ret, "upload_completion", ret)
-        if isinstance(future, Future):
-            future.add_done_callback(lambda f: f.exception() is None and self._checksum(checkpoint_id, rank))
-        else:
-            self._checksum(checkpoint_id, rank)
         return ret
 
-    @staticmethod
-    def _checksum(checkpoint_id: str, rank: int) -> None:
+    def _background_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode) -> Any:
+        """Forked from torchtitan 0.2.2 torchtitan/components/checkpoint.py, CheckpointManager.dcp_save's two
+        asynchronous branches: the same dcp.async_save calls, with a sealed writer (a path alone would get
+        torch's), and, before staging on a stream of its own, the step's device work finished."""
+        writer = SealedBackgroundWriter(checkpoint_id)
+        if async_mode == AsyncMode.ASYNC:  # staged in this thread into fresh host memory, written by a thread
+            ret = dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id, process_group=self.pg)
+        else:  # staged by a thread into pinned shared memory kept from save to save, written by torch's process
+            if not isinstance(self.stager, ReusedStager):  # torchtitan's, just made at the first save: ours instead
+                self.stager.close()
+                self.stager = sealed_save.pinned_stager()
+            sealed_save.device_work_done()
+            ret = dcp.async_save(
+                state_dict,
+                storage_writer=writer,
+                checkpoint_id=checkpoint_id,
+                process_group=self.pg,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                async_stager=self.stager,
+            )
+        self.pending = checkpoint_id
+        save_hold.after_launch(checkpoint_id)  # a test's preemption; nothing otherwise
+        return ret
+
+    def _async_wait(self) -> None:
+        """torchtitan's wait for the background save (its files, checksums and `.metadata`), saying how long the
+        job waited for one still writing, and a full disk as such when the background write failed on one."""
+        future, pending = getattr(self, "save_future", None), self.pending
+        waiting = future is not None and not future.done()
         began = time.perf_counter()
-        write_manifest(checkpoint_id, rank)
-        logger.info(f"{checkpoint_id}: rank {rank}'s checksums written in {time.perf_counter() - began:.2f} s")
+        if waiting:
+            save_hold.announce(pending)
+        try:
+            super()._async_wait()
+        except (Exception, CheckpointException) as e:
+            failure = save_failure(str(pending), self.expected_bytes, e)
+            if failure is e:
+                raise
+            raise failure from e
+        finally:
+            if waiting:
+                save_hold.release(pending)
+        if waiting:
+            logger.info(f"waited {time.perf_counter() - began:.1f} s for the background save of {pending} to finish")
+
+    def close(self) -> None:
+        """A background save still writing finishes first: the job (and with it the run lock, released after
+        this) ends with that checkpoint complete or, if it failed, said. Then torchtitan's close."""
+        failure = None
+        if getattr(self, "enable", False) and getattr(self, "save_future", None) is not None:
+            try:
+                self._async_wait()
+            except (Exception, CheckpointException) as e:
+                failure = e
+            self.save_future = None
+        super().close()
+        if failure is not None:
+            pending = getattr(self, "pending", None)
+            logger.error(
+                f"the background save of {pending} failed ({_cause(failure)}): it is not complete and will not be "
+                "loaded; the run resumes from the checkpoint before it"
+            )
+            if sys.exc_info()[1] is None:  # the job was ending well: it fails now; else its own error stands
+                raise failure
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         """Forked from torchtitan 0.2.2 torchtitan/components/checkpoint.py, CheckpointManager.dcp_load: the

@@ -1,9 +1,11 @@
 """Checksums of a run's checkpoint files, so a flipped bit is a damaged checkpoint, not a quietly different run.
 
 DCP keeps no checksums of its own (torch.save's per-record CRC32, which it would otherwise compute,
-is turned off while our saves write: see `without_torch_crc32`). After a save completes, each rank
-hashes the files it wrote (`__<rank>_*.distcp`; rank 0 also `.metadata`) and writes
-`checksums/rank-<rank>.json` inside the step folder, atomically. A load first verifies every file
+is turned off while our saves write: see `without_torch_crc32`). Each rank hashes the files it wrote
+(`__<rank>_*.distcp`; rank 0 also `.metadata`) and writes `checksums/rank-<rank>.json` inside the step
+folder, atomically. Every save now writes them inside DCP's own write, before DCP writes `.metadata`
+(components/sealed_save.py), and each manifest records how many ranks wrote one (`ranks`): a complete
+checkpoint lacking one of them is damaged, not unverified. A load first verifies every file
 against those manifests, the files split over the ranks (each reads 1/world of the checkpoint),
 and all ranks agree on the verdict. The hash is xxHash's XXH3-128 (much faster than blake2b on one
 core; see docs/performance.md): it detects corruption, it is not a signature against tampering.
@@ -12,7 +14,7 @@ A file is hashed in CHUNK_BYTES pieces, each its own digest, so that several thr
 rank's file (DCP writes one file a rank, tens of GB at one GPU). Manifests written before that
 hold one digest of the whole file; they still verify.
 
-A checkpoint without manifests (written before they existed, or a job killed in the moment
+A checkpoint without manifests (written before they existed, or by an older version killed in the moment
 between DCP's `.metadata` and its manifests) loads with a warning that it is unverified.
 """
 
@@ -44,8 +46,8 @@ Entry = dict[str, int | str | list[str]]
 def without_torch_crc32() -> Iterator[None]:
     """torch.save's CRC32 of each record off while a save writes: it made DCP's writes about three times slower
     (docs/performance.md), and our manifests, verified before every load, cover every byte of every file.
-    torch.load reads such records as any other. A background (async) save that writes after this returns writes
-    them with the CRC32, as before."""
+    torch.load reads such records as any other. Background saves turn it off where they write (in their thread or
+    torch's checkpoint process: components/sealed_save.py)."""
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
@@ -96,22 +98,43 @@ def saved_by(step_dir: str, rank: int) -> list[str]:
     return ([".metadata"] if rank == 0 and os.path.isfile(os.path.join(step_dir, ".metadata")) else []) + names
 
 
-def write_manifest(step_dir: str, rank: int) -> str:
-    """Hash this rank's files of a completed save and record them; returns the manifest's path."""
-    paths = dict(_paths(step_dir, rank))
+def file_entries(step_dir: str, names: Iterable[str]) -> dict[str, Entry]:
+    """{name: its manifest record} for files of a step folder: size and the XXH3-128 of each chunk."""
+    paths = {name: os.path.join(step_dir, name) for name in names}
     digests = chunk_digests(list(paths.values()), CHUNK_BYTES)
-    files = {
+    return {
         name: {"bytes": os.path.getsize(p), "chunk_bytes": CHUNK_BYTES, CHUNKS: digests[p]} for name, p in paths.items()
     }
-    folder = os.path.join(step_dir, MANIFEST_DIR)
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"rank-{rank:05d}.json")
-    write_text(path, json.dumps({"rank": rank, "algorithm": ALGORITHM, "files": files}, indent=1))
+
+
+def manifest_path(step_dir: str, rank: int) -> str:
+    return os.path.join(step_dir, MANIFEST_DIR, f"rank-{rank:05d}.json")
+
+
+def write_manifest(step_dir: str, rank: int, files: dict[str, Entry] | None = None, ranks: int | None = None) -> str:
+    """Record this rank's files (`files`, else hash those `saved_by` names now); `ranks`: how many ranks write a
+    manifest of this checkpoint, all before its `.metadata` (a sealed save). Returns the manifest's path."""
+    files = file_entries(step_dir, saved_by(step_dir, rank)) if files is None else files
+    os.makedirs(os.path.join(step_dir, MANIFEST_DIR), exist_ok=True)
+    path = manifest_path(step_dir, rank)
+    manifest = {"rank": rank, "algorithm": ALGORITHM, "files": files} | ({} if ranks is None else {"ranks": ranks})
+    write_text(path, json.dumps(manifest, indent=1))
     return path
 
 
-def _paths(step_dir: str, rank: int) -> Iterable[tuple[str, str]]:
-    return ((name, os.path.join(step_dir, name)) for name in saved_by(step_dir, rank))
+def missing_manifests(step_dir: str) -> list[str]:
+    """The manifests of a sealed checkpoint that are not there: each manifest written inside DCP's write records
+    how many ranks wrote one (`ranks`); older checkpoints record nothing, and then none is missing."""
+    folder = os.path.join(step_dir, MANIFEST_DIR)
+    ranks = 0
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        try:
+            with open(os.path.join(folder, name)) as f:
+                declared = json.load(f).get("ranks", 0)
+        except (OSError, ValueError, AttributeError):
+            continue  # not readable: verify_share names it
+        ranks = max(ranks, declared if isinstance(declared, int) else 0)
+    return [manifest_path(step_dir, r) for r in range(ranks) if not os.path.isfile(manifest_path(step_dir, r))]
 
 
 def _entry(entry: dict) -> Entry:
@@ -153,12 +176,17 @@ def verify_share(step_dir: str, rank: int, world: int) -> tuple[list[str], list[
     """(problems, unverified files) for this rank's share (every world-th file) of the checkpoint.
 
     A problem is a file whose size or hash differs from its manifest, or a recorded file that is
-    gone; an unverified file is one no manifest covers. Unreadable manifests are a problem too.
+    gone; an unverified file is one no manifest covers. Unreadable manifests are a problem too, and (rank 0
+    reports it) a manifest that a sealed checkpoint lacks.
     """
     try:
         recorded = read_manifests(step_dir)
     except ValueError as e:
         return [str(e)], []
+    if rank == 0 and (missing := missing_manifests(step_dir)):
+        return [
+            f"{m}: missing (every rank wrote its checksums before the checkpoint was complete)" for m in missing
+        ], []
     on_disk = checkpoint_files(step_dir)
     everything = sorted(set(on_disk) | set(recorded))
     problems, unverified, hashed = [], [], {}

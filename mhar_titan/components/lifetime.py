@@ -28,7 +28,11 @@ container's entry point (and when it dies there, the kernel kills the whole pid 
 
 Processes of the worker's own: DataLoader workers exit when the worker does (PyTorch's
 `ManagerWatchdog` polls the parent pid, torch/utils/data/_utils/worker.py), and so do Inductor's
-compile workers (their own parent-pid watchdog); PDEATHSIG is not inherited across fork.
+compile workers (their own parent-pid watchdog); PDEATHSIG is not inherited across fork. torch's
+checkpoint process (`async_mode = "async_with_pinned_mem"`) imports train_cpt.py as `__mp_main__` and
+does not arm it: it is spawned from a thread that exits after that save, which would kill it. It ends
+when its pipe to the worker closes, and a save it is writing when the worker dies stops before its
+`.metadata` (components/sealed_save.py), so it never completes a checkpoint a relaunch may be writing.
 
 Stdlib only: `train_cpt.py` loads this file before torch, so that arming costs milliseconds.
 """
