@@ -97,7 +97,10 @@ class RunFolder:
         raise Preempted(self.step, reason)
 
     def close(self) -> None:
-        """torchtitan's, then the run lock is released (a refused or failed job included)."""
-        super().close()
-        if self.run_lock is not None:
-            self.run_lock.release()
+        """torchtitan's, then the run lock is released (a refused or failed job included, and a job whose background
+        save failed as it closed)."""
+        try:
+            super().close()
+        finally:
+            if self.run_lock is not None:
+                self.run_lock.release()

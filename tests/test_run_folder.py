@@ -21,6 +21,7 @@ from mhar_titan.components.optimizer import group_settings
 from mhar_titan.components.preemption import STOP_FILE, PreemptionWatch
 from mhar_titan.components.run_lock import LOCK_FILE, LockHeld, RunLock, acquire_everywhere
 from mhar_titan.config import parse_config
+from mhar_titan.run_folder import RunFolder
 
 
 class Clock:
@@ -232,3 +233,21 @@ def test_a_checkpoint_takes_weights_two_moments_and_the_fp32_ema():
     model = torch.nn.Linear(10, 10)  # 110 parameters in fp32
     assert run_checks.checkpoint_bytes(model, ema=True) == 110 * (3 * 4 + 4)
     assert run_checks.checkpoint_bytes(model.to(torch.bfloat16), ema=False) == 110 * 3 * 2
+
+
+def test_the_run_lock_is_released_even_when_closing_fails(tmp_path):
+    """A background save that failed as the job closed fails the job; its lock must not outlive it."""
+
+    class Closing:
+        def close(self):
+            raise OSError("the background save failed")
+
+    class Job(RunFolder, Closing):
+        pass
+
+    job = Job()
+    job.run_lock = lock(tmp_path, Clock())
+    job.run_lock.acquire()
+    with pytest.raises(OSError, match="the background save failed"):
+        job.close()
+    assert not (tmp_path / LOCK_FILE).exists()
