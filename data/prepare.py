@@ -205,13 +205,23 @@ def commit(partial: Path, out: Path) -> None:
 # -- command line ---------------------------------------------------------------------------------
 
 
+def local_folder(value: str) -> Path:
+    """OUT_DIR as a path; a URL is refused here, before Path turns `s3://b/x` into the local folder `s3:/b/x`."""
+    if "://" in value:
+        raise argparse.ArgumentTypeError(
+            f"{value} is a URL: data.prepare writes a local or shared folder (it builds the shards beside OUT_DIR "
+            "and renames them into place, which object storage cannot do); the loader reads shards from URLs"
+        )
+    return Path(value)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m data.prepare",
         description="Convert JSON lines, text files, parquet and saved HF datasets into the parquet shards "
         "the loader reads, with a manifest, a shard index and a summary.",
     )
-    p.add_argument("out_dir", type=Path, help="the folder to create; it must be new or empty (see --overwrite)")
+    p.add_argument("out_dir", type=local_folder, help="the folder to create; it must be new or empty (see --overwrite)")
     p.add_argument(
         "inputs",
         nargs="+",

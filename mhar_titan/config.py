@@ -152,6 +152,7 @@ def parse_config(argv: list[str]) -> TitanJobConfig:
     if not config.training.max_norm > 0:  # clipping to 0 zeroes every gradient: a run that does not train
         raise ValueError(f"[training] max_norm = {config.training.max_norm} must be > 0 (inf: no clipping)")
     check_converters(config.model.converters)
+    check_local_folders(config)
     if config.model.attention_mask not in ATTENTION_MASKS:
         raise ValueError(
             f"[model] attention_mask = {config.model.attention_mask!r} must be one of {', '.join(ATTENTION_MASKS)}"
@@ -168,6 +169,19 @@ def parse_config(argv: list[str]) -> TitanJobConfig:
             "python -m mhar_titan.hf export RUN_DIR OUT_DIR [--ema] [--dtype bf16]"
         )
     return config
+
+
+def check_local_folders(config: TitanJobConfig) -> None:
+    """A URL as the run folder would become a local folder named `s3:` (os.makedirs does not know URLs): refused."""
+    for key, value in (
+        ("[job] dump_folder", config.job.dump_folder),
+        ("[checkpoint] folder", config.checkpoint.folder),
+    ):
+        if "://" in value:
+            raise ValueError(
+                f"{key} = {value!r} is a URL: the run folder (checkpoints, the run lock, logs, records) must be a "
+                "local or shared file system path; object storage is not supported there (shards may be URLs)"
+            )
 
 
 def check_spikes(spikes: Spikes) -> None:

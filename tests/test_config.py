@@ -82,3 +82,11 @@ def test_pair_configs_differ_only_in_mhar_and_run_names(pair):
     assert not _parse(pair[0]).mhar.enable and _parse(pair[1]).mhar.enable
     parsed = _parse(pair[1]).mhar
     parsed.validate(4096, 32)  # the 8B geometry takes the MHAR arm's settings
+
+
+@pytest.mark.parametrize("key", ["--job.dump_folder", "--checkpoint.folder"])
+def test_a_url_as_the_run_folder_is_refused_not_made_a_local_folder(key, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where os.makedirs would have made `s3:/bucket/run`
+    with pytest.raises(ValueError, match=r"= 's3://bucket/run' is a URL: the run folder .* must be a local"):
+        _parse("tiny_cpu.toml", key, "s3://bucket/run")
+    assert not list(tmp_path.iterdir())

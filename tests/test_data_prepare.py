@@ -196,6 +196,16 @@ def test_a_non_empty_out_dir_is_refused_and_only_an_earlier_output_is_replaced(i
     assert "inside the input folder" in capsys.readouterr().err
 
 
+def test_a_url_as_out_dir_is_refused_in_one_line_before_anything_is_written(inputs, tmp_path, monkeypatch, capsys):
+    paths, _, _ = inputs
+    monkeypatch.chdir(tmp_path)  # Path("s3://bucket/corpus") is the local folder s3:/bucket/corpus
+    with pytest.raises(SystemExit) as exit_:
+        prepare.main(["s3://bucket/corpus", *map(str, paths)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "s3://bucket/corpus is a URL: data.prepare writes a local or shared folder" in err
+    assert "Traceback" not in err and not (tmp_path / "s3:").exists()
+
+
 def test_an_interrupted_run_leaves_no_partial_output(inputs, tmp_path, monkeypatch):
     paths, _, _ = inputs
     out = tmp_path / "out"
