@@ -100,7 +100,11 @@ EXPORT = "export"  # the kind of sibling an export or init writes in (data/atomi
 
 
 def check_new_output(out_dir: str, verb: str = "export") -> None:
-    """Refuse an existing output (or one whose temporary sibling's name would be too long) before any work."""
+    """Refuse an existing output (or one whose temporary sibling's name would be too long), or a URL (os.makedirs
+    would make a local folder `s3:` of it), before any work."""
+    if "://" in out_dir:
+        raise ValueError(f"{out_dir} is a URL: the {verb} goes to a local or shared folder (written beside it, then "
+                         "renamed into place); copy it to object storage afterwards")  # fmt: skip
     if os.path.lexists(out_dir):
         raise FileExistsError(f"{out_dir} already exists; {verb} into a new directory")
     name = os.path.basename(sibling(out_dir, EXPORT))
