@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import REPO, process_tree, torchrun
+from s3_server import s3_server
 
 from mhar_titan.components.lr_schedule import lr_factor
 from mhar_titan.components.tensorboard_scalars import read_scalars
@@ -28,7 +29,7 @@ ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 ONE_RANK = ("--training.global_batch_size", "8")  # the base's 2 ranks x 4 windows, as 2 microbatches on 1 rank
 
 
-def mixture(corpus: Path) -> tuple[str, ...]:
+def mixture(corpus: Path | str) -> tuple[str, ...]:
     return ("--data.mixture", f"docstrings=0.7:{corpus}/docstrings,code=0.3:{corpus}/code")
 
 
@@ -67,16 +68,24 @@ def test_the_last_steps_save_applies_retention(base):
     assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-6", "step-7"]  # step 4 purged at 7
 
 
-def test_another_rank_count_continues_exactly_and_another_local_batch_is_refused(base, tmp_path):
+def test_another_rank_count_continues_exactly_from_the_corpus_on_s3_and_another_local_batch_is_refused(base, tmp_path):
     run, corpus = base
     # From step 6 (an odd multiple of 2: the loader's batch counter matters), on 1 rank with the same
-    # global batch: 2 microbatches of 4 windows a step, the same windows of the same streams as 2 ranks took.
-    resumed = copy_run(run, tmp_path / "one_rank", drop=(7,))
-    args = ("--training.steps", "7", *STEPS, *SCHEDULE, *mixture(corpus))
-    torchrun(resumed, *args, *ONE_RANK, nproc=1)
+    # global batch: 2 microbatches of 4 windows a step, the same windows of the same streams as 2 ranks took;
+    # with the corpus moved to object storage (a real S3 server, s3fs): the same shards by their contents.
+    with s3_server() as fs:
+        fs.mkdir("corpora")
+        fs.put(f"{corpus}/", "corpora/moved/", recursive=True)
+        resumed = copy_run(run, tmp_path / "one_rank", drop=(7,))
+        args = ("--training.steps", "7", *STEPS, *SCHEDULE, *mixture("s3://corpora/moved"))
+        torchrun(resumed, *args, *ONE_RANK, nproc=1)
     assert streams(resumed, 7) == streams(run, 7)
     assert read_scalars(resumed, "tokens_seen")[7] == read_scalars(run, "tokens_seen")[7]
+    recorded = json.loads((resumed / "fingerprint.json").read_text())
+    assert recorded["data"] == json.loads((run / "fingerprint.json").read_text())["data"]  # contents included
+    assert recorded["history"] == []  # no change of any group was needed, or allowed
 
+    args = ("--training.steps", "7", *STEPS, *SCHEDULE, *mixture(corpus))
     other = copy_run(run, tmp_path / "wide", drop=(7,))
     proc = torchrun(other, *args, "--training.local_batch_size", "8", nproc=1, check=False)
     log = proc.stdout + proc.stderr

@@ -4,10 +4,9 @@ run, behind the same `s3://` URLs and the same code paths as on a cluster (the e
 import json
 
 import pytest
-import s3fs
 import torch
 from conftest import REPO
-from moto import server as moto_server
+from s3_server import s3_server
 from test_data import BATCH, ENCODE, SEQ, take
 
 from data.config import DataConfig
@@ -15,24 +14,16 @@ from data.loader import ParquetDataLoader, ValidationLoader, source_infos
 from data.shards import list_shards
 
 BUCKET = "corpora"
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 @pytest.fixture(scope="module")
 def s3():
-    """The server, the environment a job would have, and the demo corpus uploaded as s3://corpora/tiny/."""
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in {**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://{host}:{port}"}.items():
-            env.setenv(key, value)
-        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    """The server (tests/s3_server.py) with the demo corpus uploaded as s3://corpora/tiny/."""
+    with s3_server() as fs:
         fs.mkdir(BUCKET)
         fs.put(f"{REPO}/assets/tiny/corpus/", f"{BUCKET}/tiny/corpus/", recursive=True)
         fs.put(f"{REPO}/assets/tiny/code/", f"{BUCKET}/tiny/code/", recursive=True)
         yield fs
-    server.stop()
 
 
 def config(root: str, **kw) -> DataConfig:
