@@ -42,6 +42,7 @@ from pathlib import Path
 
 from mhar_titan.components.checkpoint import complete_steps
 from mhar_titan.components.checksums import missing_manifests, read_manifests, verify_share
+from mhar_titan.components.lifetime import descendants
 from mhar_titan.components.tensorboard_scalars import read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,23 +94,6 @@ def _status_kib(pid: int, field: str) -> int:
     return int(m[1]) if m else 0
 
 
-def _tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
 class PeakMemory:
     """Samples the launcher's process tree every `every` s: each process's peak resident memory (VmHWM)."""
 
@@ -122,7 +106,7 @@ class PeakMemory:
 
     def _run(self) -> None:
         while not self.stop.wait(self.every):
-            for pid in _tree(self.root):
+            for pid in descendants(self.root):
                 hwm = _status_kib(pid, "VmHWM")
                 if hwm:
                     if pid not in self.peaks:

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kernels.triton.launch as rt  # noqa: E402  (after TRITON_INTERPRET is set)
+from mhar_titan.components.lifetime import descendants  # noqa: E402
 
 # The files that take longest on two CPU cores (`pytest --durations=0`, docs/performance.md), longest first.
 # `make test` runs `--dist loadfile --no-loadscope-reorder`: the workers take whole files in collection order,
@@ -87,17 +88,4 @@ def torchrun(
 
 def process_tree(pid: int) -> list[int]:
     """pid and its descendants, from /proc (torchrun starts each worker in a session of its own)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, []))
-    return tree
+    return [pid, *descendants(pid)]

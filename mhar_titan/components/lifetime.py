@@ -95,3 +95,23 @@ def _prctl(option: int, arg: int) -> None:
     if libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)):
         err = ctypes.get_errno()
         raise OSError(err, f"prctl({option}, {arg}): {os.strerror(err)}")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc's parent links (torchrun starts each worker in a session of its own,
+    so a process group does not find them)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo.extend(children.get(child, []))
+    return out
