@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> None:
         except (RuntimeError, ValueError, OSError) as e:
             failed.append(f"{mode}: {e}")
             print(f"[{mode}] FAILED: {e}", flush=True)
-    (out / "stall.json").write_text(json.dumps({"results": results, "failed": failed}, indent=1))
+        # after each mode, so a run cut short keeps the modes it finished
+        (out / "stall.json").write_text(json.dumps({"results": results, "failed": failed}, indent=1))
     if results:
         print(table(results))
     if failed:
