@@ -67,12 +67,14 @@ bench-step:
 
 # CPU: the parquet loader's sustained tokens/s per rank on shards of real text, for the demo tokenizer
 # and a local 128k-id byte-level BPE (trained once, ~25 s, cached in ~/.cache/mhar-titan/bpe128k),
-# 0 and 2 loader workers; ARGS e.g. "--tokenizer DIR --shards GLOB --no-bpe128k".
+# 0 and 2 loader workers; ARGS e.g. "--tokenizer DIR --shards GLOB --no-bpe128k", or "--store local,s3
+# --latency-ms 0,20,100" for the same shards on a local S3 server (moto) at each latency a request, beside local.
 bench-data: install
 	$(PY) -m benchmarks.bench_data $(ARGS)
 
 # CPU: start-up of 64 simulated ranks over 2,048 shards at 50 ms a request: every rank reading every
-# footer, rank 0 reading them and sharing, every rank (or rank 0) reading the shard index.
+# footer, rank 0 reading them and sharing, every rank (or rank 0) reading the shard index; ARGS=--s3: one
+# job's start-up on a local S3 server (moto) at 0, 20 and 100 ms a request, with and without the index.
 bench-startup: install
 	$(PY) -m benchmarks.bench_startup $(ARGS)
 

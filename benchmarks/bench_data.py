@@ -19,6 +19,13 @@ Each measurement runs in a fresh process, as a training rank starts: nothing has
 tokenised before its loader workers fork (HF tokenizers turns its thread pool off in forked
 workers when the parent used it), and no cache of an earlier run is warm.
 
+`--store local,s3 --latency-ms 0,20,100` adds the same measurement from object storage: the shards put on
+moto's S3 server on 127.0.0.1 (benchmarks/s3_store.py, the dev extra), read through a proxy that holds every
+request for the latency (benchmarks/s3_proxy.py), the measuring process pointed at it by AWS_ENDPOINT_URL as a
+job would be; each row beside the local one, with its ratio, the longest wait for one batch (a chunk's reads and
+tokenising, where no worker reads ahead) and the requests the store served. Every S3 row must deliver the local
+row's tokens (a digest of the batches outside the clock), or the benchmark fails.
+
 `--long-doc-mb 20` instead measures what one long document costs the batches after it:
 two streams, one reading ordinary documents and one a single document of that size;
 per-batch times side by side (the long stream's first batch, which tokenises it, left
@@ -28,28 +35,31 @@ out) and the size of each stream's checkpointed state.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import multiprocessing
 import sysconfig
 import tempfile
 import time
-from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
+from benchmarks import s3_store
 from benchmarks.bpe128k import CACHE, Recipe, cached_bpe, library_roots
+from benchmarks.isolated import forkserver, isolated
+from benchmarks.s3_proxy import S3Proxy
 from data.config import DataConfig
-from data.loader import Encoder, ParquetDataLoader
-from data.shards import list_shards, read_row_group, shard_info
-from data.stream import epoch_streams
-
-T = TypeVar("T")
+from data.loader import Encoder, ParquetDataLoader, source_infos
+from data.shards import ShardInfo, list_shards, read_row_group, shard_info
+from data.stream import epoch_streams, shard_keys
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "assets" / "tiny"
@@ -58,14 +68,21 @@ ROUNDS = 8  # read-ahead chunks of every stream in the timed window, by default
 SAMPLE_MB = 4.0  # text tokenised for the bytes-per-token column
 # What each measurement's process starts from: imported once, in the forkserver.
 PRELOAD = ["torch", "pyarrow.parquet", "torchtitan.components.tokenizer", "data.loader"]
+BUCKET = "s3://bench/corpus"  # where --store s3 puts the shards
 
 
 def make_loader(
-    cfg: DataConfig, shards: list[str], encode: Encoder, seq_len: int, batch: int, workers: int
+    cfg: DataConfig,
+    shards: list[str] | dict[str, list[str]],
+    encode: Encoder,
+    seq_len: int,
+    batch: int,
+    workers: int,
+    infos: dict[str, ShardInfo] | None = None,
 ) -> ParquetDataLoader:
     """The bench's one loader construction (rank 0 of 1), kept apart so a new constructor is one edit."""
     return ParquetDataLoader(
-        cfg, shards, encode, seq_len=seq_len, batch=batch, dp_rank=0, dp_world=1, num_workers=workers
+        cfg, shards, encode, seq_len=seq_len, batch=batch, dp_rank=0, dp_world=1, num_workers=workers, infos=infos
     )
 
 
@@ -135,53 +152,97 @@ def sustained_batches(cfg: DataConfig, shards: list[str], tokens_per_doc: float,
     return math.ceil(ROUNDS * cfg.num_streams * docs * tokens_per_doc / (batch * seq_len))
 
 
+class Measured(NamedTuple):
+    tokens_per_s: float
+    longest_wait_s: float  # the longest one batch took to come, in the timed window
+    digest: str  # of the batches before the clock and the last one: which tokens were read
+
+
+@dataclass
+class Remote:
+    """The shards on the S3 server, behind the proxy that adds each row's latency."""
+
+    proxy: S3Proxy
+    cfg: DataConfig  # the run's config with the shards' s3:// URLs
+
+
 def tokens_per_second(
-    tokenizer: str, cfg: DataConfig, shards: list[str], seq_len: int, batch: int, batches: int, workers: int
-) -> float:
-    """One tokenizer and worker count, timed after one batch from every stream; run in a fresh process."""
-    loader = make_loader(cfg, shards, Encoder(HuggingFaceTokenizer(tokenizer)), seq_len, batch, workers)
-    it = iter(loader)
+    endpoint: str, tokenizer: str, cfg: DataConfig, seq_len: int, batch: int, batches: int, workers: int
+) -> Measured:
+    """One tokenizer and worker count, timed after one batch from every stream; run in a fresh process.
+
+    The shards are listed and checked as a job's start-up does (`source_infos`); `endpoint`: the S3 endpoint this
+    process and its loader workers reach (AWS_ENDPOINT_URL), "" for none."""
+    if endpoint:
+        s3_store.use_endpoint(endpoint)
+    shards, infos = source_infos(cfg)
+    loader = make_loader(cfg, shards, Encoder(HuggingFaceTokenizer(tokenizer)), seq_len, batch, workers, infos)
+    it, digest = iter(loader), hashlib.blake2b(digest_size=16)
     for _ in range(cfg.num_streams):
-        next(it)
-    start = time.perf_counter()
+        digest.update(next(it)[0]["input"].numpy().tobytes())
+    longest, start = 0.0, time.perf_counter()
     for _ in range(batches):
-        next(it)
+        began = time.perf_counter()
+        last = next(it)
+        longest = max(longest, time.perf_counter() - began)
     rate = batches * batch * seq_len / (time.perf_counter() - start)
     it.close()  # stops the loader workers now
-    return rate
+    digest.update(last[0]["input"].numpy().tobytes())
+    return Measured(rate, longest, digest.hexdigest())
 
 
-def _start_workers_with(method: str) -> None:
-    """A measurement process starts its loader workers as a training rank would (the forkserver's
-    children would otherwise use the forkserver for them too)."""
-    multiprocessing.set_start_method(method, force=True)
+HEADER = [
+    "| tokenizer | vocab | loader workers | timed batches | tokens/s per rank | bytes of text per token |",
+    "|---|---|---|---|---|---|",
+]
+HEADER_STORES = [
+    "| tokenizer | vocab | loader workers | timed batches | store | latency ms a request | tokens/s per rank "
+    "| x local | longest wait for a batch, ms | requests | bytes of text per token |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+]
 
 
-def isolated(ctx: BaseContext, fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args) in a process of its own, forked from the forkserver (which never tokenised)."""
-    method = multiprocessing.get_start_method()
-    with ProcessPoolExecutor(
-        1, mp_context=ctx, initializer=_start_workers_with, initargs=(method,), max_tasks_per_child=1
-    ) as pool:
-        return pool.submit(fn, *args).result()
+def store_rows(
+    ctx: BaseContext, path: str, cfg: DataConfig, args: argparse.Namespace, batches: int, workers: int, remote: Remote
+) -> list[tuple[str, str, Measured, int | None]]:
+    """(store, latency, measurement, requests) for local (if asked) and S3 at each latency, each in its own process;
+    S3 must deliver the local tokens."""
+    run = (path, cfg, args.seq_len, args.batch, batches, workers)
+    local = isolated(ctx, tokens_per_second, "", *run) if "local" in args.store else None
+    rows = [("local", "-", local, None)] if local else []
+    for latency in args.latency_ms:
+        remote.proxy.latency_s, before = latency / 1e3, remote.proxy.requests
+        got = isolated(ctx, tokens_per_second, remote.proxy.url, path, remote.cfg, *run[2:])
+        if local and got.digest != local.digest:
+            raise SystemExit(f"S3 at {latency:g} ms delivered other tokens than the same shards on disk")
+        rows.append(("s3", f"{latency:g}", got, remote.proxy.requests - before))
+    return rows
 
 
 def throughput_table(
-    tokenizers: dict[str, str], cfg: DataConfig, shards: list[str], args: argparse.Namespace
+    tokenizers: dict[str, str], cfg: DataConfig, shards: list[str], args: argparse.Namespace, remote: Remote | None
 ) -> list[str]:
-    """The markdown table, one row per tokenizer x worker count, each measured in its own process."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    rows = [
-        "| tokenizer | vocab | loader workers | timed batches | tokens/s per rank | bytes of text per token |",
-        "|---|---|---|---|---|---|",
-    ]
+    """The markdown table, one row per tokenizer x worker count (x store and latency with `remote`), each
+    measured in its own process."""
+    ctx = forkserver(PRELOAD)
+    rows = list(HEADER_STORES if remote else HEADER)
     for name, path in tokenizers.items():
         vocab, ratio, per_doc = isolated(ctx, tokenizer_stats, path, cfg, shards)
         batches = args.batches or sustained_batches(cfg, shards, per_doc, args.batch, args.seq_len)
         for workers in args.workers:
-            rate = isolated(ctx, tokens_per_second, path, cfg, shards, args.seq_len, args.batch, batches, workers)
-            rows.append(f"| {name} | {vocab:,} | {workers} | {batches:,} | {rate:,.0f} | {ratio:.2f} |")
+            head = f"| {name} | {vocab:,} | {workers} | {batches:,} |"
+            if remote is None:
+                rate = isolated(ctx, tokens_per_second, "", path, cfg, args.seq_len, args.batch, batches, workers)
+                rows.append(f"{head} {rate.tokens_per_s:,.0f} | {ratio:.2f} |")
+                continue
+            measured = store_rows(ctx, path, cfg, args, batches, workers, remote)
+            local = measured[0][2].tokens_per_s if measured[0][0] == "local" else None
+            for store, latency, got, requests in measured:
+                versus = f"{got.tokens_per_s / local:.2f}" if local else "-"
+                count = "-" if requests is None else f"{requests:,}"
+                wait = f"{got.longest_wait_s * 1e3:,.0f}"
+                rate = f"{got.tokens_per_s:,.0f}"
+                rows.append(f"{head} {store} | {latency} | {rate} | {versus} | {wait} | {count} | {ratio:.2f} |")
     return rows
 
 
@@ -257,7 +318,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bpe-corpus-mb", type=float, default=Recipe.corpus_mb, help="its training text")
     parser.add_argument("--bpe-cache", type=Path, default=CACHE, help="where trained BPEs are kept")
     parser.add_argument("--long-doc-mb", type=float, default=0.0, help="measure one long document instead")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--store", type=_names, default=["local"], help="local, s3 or local,s3: where the shards are read from"
+    )
+    parser.add_argument(
+        "--latency-ms", type=_numbers, default=[0.0, 20.0, 100.0], help="per S3 request, each a row (default 0,20,100)"
+    )
+    args = parser.parse_args(argv)
+    if set(args.store) - {"local", "s3"} or not args.store:
+        parser.error(f"--store {','.join(args.store)}: local, s3 or both")
+    return args
+
+
+def _names(text: str) -> list[str]:
+    return [t for t in text.split(",") if t]
+
+
+def _numbers(text: str) -> list[float]:
+    return [float(t) for t in text.split(",") if t]
+
+
+@contextmanager
+def s3_copy(cfg: DataConfig, shards: list[str], args: argparse.Namespace) -> Iterator[Remote | None]:
+    """With `--store s3`: the shards put on a fresh S3 server, each at its path below their common folder (the
+    order's key, so S3 is read in the local order), behind a latency proxy; else None."""
+    if "s3" not in args.store:
+        yield None
+        return
+    s3_store.require("--store s3")
+    with s3_store.moto_endpoint() as endpoint, S3Proxy(endpoint) as proxy:
+        urls = s3_store.upload(endpoint, {key: Path(path) for path, key in shard_keys(shards).items()}, BUCKET)
+        yield Remote(proxy, DataConfig(paths=urls, num_streams=cfg.num_streams))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -278,7 +369,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{len(shards)} shards of {what}; {streams} streams, seq {args.seq_len}, batch {args.batch}, "
             f"timed after one batch from each stream; 1 rank on {multiprocessing.cpu_count()} CPUs"
         )
-        print("\n".join(throughput_table(tokenizers, cfg, shards, args)))
+        with s3_copy(cfg, shards, args) as remote:
+            if remote:
+                print(f"S3: moto's server on 127.0.0.1, {BUCKET}, through a proxy holding each request for the latency")
+            print("\n".join(throughput_table(tokenizers, cfg, shards, args, remote)))
 
 
 if __name__ == "__main__":

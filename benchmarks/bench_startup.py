@@ -23,22 +23,36 @@ a's wall time is an upper bound when it is CPU-bound (`--one-rank` also times a 
 alone). The store has no rate limit unless
 `--max-rps` is set; real object stores throttle at a few thousand requests per second per prefix,
 which mode a's request count runs into first.
+
+`--s3` times the same start-up against a real S3 server instead: `--shards` small shards put on moto's server on
+127.0.0.1 (benchmarks/s3_store.py; the dev extra), once with the `_index.json` that data.prepare writes and once
+without, read through a proxy holding each request for the latency (benchmarks/s3_proxy.py) at each of
+`--s3-latency-ms`. Each start-up is one job's: rank 0's `data.index.startup_shards` (what the loader's
+`source_infos` runs) in a fresh process pointed at the proxy by AWS_ENDPOINT_URL, with s3fs's default options; the
+other ranks only wait for its broadcast. Every start-up must find the same shards, row groups and footer digests.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
+import json
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.memory import MemoryFileSystem
 
+from benchmarks import s3_store
+from benchmarks.isolated import forkserver, isolated
+from benchmarks.s3_proxy import S3Proxy
 from data.index import (
     INDEX_NAME,
     infos_from_json,
@@ -52,6 +66,7 @@ from data.shards import check_shards, list_shards
 
 PROTOCOL = "slowfs"
 CORPUS = f"{PROTOCOL}:///corpus"
+S3_ROOT = "s3://startup"  # --s3: the shards with their index in indexed/, without in bare/
 
 
 class SlowFileSystem(MemoryFileSystem):
@@ -132,16 +147,25 @@ class ThreadChannel:
         return self.shared.data
 
 
+def shard_bytes(i: int) -> bytes:
+    """Shard i: a small parquet file of two row groups (sizes differ by shard)."""
+    n = 2 + i % 7
+    table = pa.table({"text": [f"document {i}.{j}" for j in range(2 * n)], "source": ["web"] * (2 * n)})
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, row_group_size=n)
+    return sink.getvalue().to_pybytes()
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}.parquet"
+
+
 def build_corpus(shards: int) -> None:
-    """`shards` parquet files of two row groups (sizes differ by shard) and their index, without latency."""
+    """`shards` parquet files and their index, without latency."""
     SlowFileSystem.store.clear()
     fs = fsspec.filesystem(PROTOCOL)
     for i in range(shards):
-        n = 2 + i % 7
-        table = pa.table({"text": [f"document {i}.{j}" for j in range(2 * n)], "source": ["web"] * (2 * n)})
-        sink = pa.BufferOutputStream()
-        pq.write_table(table, sink, row_group_size=n)
-        fs.pipe_file(f"/corpus/shard-{i:05d}.parquet", sink.getvalue().to_pybytes())
+        fs.pipe_file(f"/corpus/{shard_name(i)}", shard_bytes(i))
     write_index(list_shards([CORPUS]), f"{CORPUS}/{INDEX_NAME}")
 
 
@@ -203,7 +227,51 @@ def simulate(mode: str, ranks: int) -> tuple[float, int, list[list[str]]]:
     return max(finished) - began, SlowFileSystem.requests, results
 
 
-def main(argv: list[str] | None = None) -> None:
+def on_s3(endpoint: str, url: str) -> tuple[float, str]:
+    """(seconds, digest of the answer): a job's start-up with `[data] paths = [url]` (`startup_shards`, as the
+    loader's `source_infos` calls it: rank 0 lists the shards and reads the index or the footers) through the S3
+    endpoint, run in a fresh process."""
+    s3_store.use_endpoint(endpoint)
+    start = time.perf_counter()
+    infos = startup_shards([url], "", "text", "", "error")
+    wall = time.perf_counter() - start
+    found = sorted((path.rsplit("/", 1)[1], info.row_groups, info.size, info.footer) for path, info in infos.items())
+    return wall, hashlib.blake2b(json.dumps(found).encode(), digest_size=16).hexdigest()
+
+
+def s3_bench(args: argparse.Namespace) -> None:
+    """The shards (and, in one folder, their index) on moto's S3 server; start-up timed at each latency."""
+    s3_store.require("--s3")
+    ctx = forkserver(["data.index", "s3fs"])
+    with tempfile.TemporaryDirectory() as tmp, s3_store.moto_endpoint() as endpoint, S3Proxy(endpoint) as proxy:
+        files = {shard_name(i): Path(tmp) / shard_name(i) for i in range(args.shards)}
+        for i, path in enumerate(files.values()):
+            path.write_bytes(shard_bytes(i))
+        write_index(list_shards([tmp]), f"{tmp}/{INDEX_NAME}")  # as data.prepare leaves it beside the shards
+        began = time.perf_counter()
+        s3_store.upload(endpoint, {**files, INDEX_NAME: Path(tmp) / INDEX_NAME}, f"{S3_ROOT}/indexed")
+        s3_store.upload(endpoint, files, f"{S3_ROOT}/bare")
+        upload_s = time.perf_counter() - began
+        print(
+            f"{args.shards} shards on moto's S3 server on 127.0.0.1 (uploaded twice in {upload_s:.0f} s), "
+            f"read through a proxy holding each request for the latency; one job's start-up (rank 0; its answer is "
+            f"then broadcast), each in a fresh process, on {os.cpu_count()} CPU cores"
+        )
+        print("| latency ms a request | shard index | start-up s | requests |")
+        print("|---|---|---|---|")
+        found = set()
+        for latency in args.s3_latency_ms:
+            for folder, index in (("indexed", "_index.json"), ("bare", "none: every footer read")):
+                proxy.latency_s, before = latency / 1e3, proxy.requests
+                wall, digest = isolated(ctx, on_s3, proxy.url, f"{S3_ROOT}/{folder}")
+                found.add(digest)
+                print(f"| {latency:g} | {index} | {wall:.2f} | {proxy.requests - before:,} |")
+    if len(found) != 1:
+        raise SystemExit("start-up found other shards, row groups or footers with the index than without")
+    print(f"every start-up found the same {args.shards} shards, row groups and footer digests")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=int, default=2048, help="shards in the simulated corpus")
     parser.add_argument("--ranks", type=int, default=64, help="ranks starting at once (threads)")
@@ -213,9 +281,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="abcd", help="which modes to run (letters of a, b, c, d)")
     parser.add_argument("--one-rank", action="store_true", help="also time one rank of mode a alone")
     parser.add_argument("--quick", action="store_true", help="64 shards, 4 ranks, 5 ms: a test of the plumbing")
+    parser.add_argument("--s3", action="store_true", help="a real S3 server instead (the dev extra; see above)")
+    parser.add_argument(
+        "--s3-latency-ms",
+        type=lambda text: [float(t) for t in text.split(",") if t],
+        default=[0.0, 20.0, 100.0],
+        help="with --s3: per request, each a row (default 0,20,100)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.shards, args.ranks, args.latency_ms = 64, 4, 5.0
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.s3:
+        s3_bench(args)
+        return
     fsspec.register_implementation(PROTOCOL, SlowFileSystem, clobber=True)
     SlowFileSystem.latency, SlowFileSystem.max_rps = 0.0, 0.0
     build_corpus(args.shards)

@@ -27,6 +27,7 @@ import posixpath
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from functools import partial
 from typing import Any, Protocol
 
 import fsspec
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from data.listing import Place, folder_sizes, locate, locate_all, to_url
 from data.shards import (
+    PREPARING,
     BadShardError,
     Footer,
     NoDataError,
@@ -43,8 +45,10 @@ from data.shards import (
     is_footer_digest,
     list_shards,
     read_footer,
+    refuse_unfinished,
     settle_bad_shards,
 )
+from data.store import StoreError, filesystem, read_from_store
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +93,22 @@ def _footer(path: str) -> Footer | BadShardError:
 
 
 def write_index(shards: list[str], path: str, threads: int = FOOTER_THREADS) -> dict[str, Any]:
-    """Write the index of `shards` (each below the index's folder) to `path`, atomically; returns it.
+    """Write the index of `shards` (each below the index's folder) to `path`, atomically; returns it."""
+    text, index = index_text(shards, path, threads)
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with fsspec.open(temporary, "w", encoding="utf-8") as f:
+        f.write(text)
+    locate(path)[0].mv(locate(temporary)[1], locate(path)[1])
+    return index
+
+
+def index_text(shards: list[str], path: str, threads: int = FOOTER_THREADS) -> tuple[str, dict[str, Any]]:
+    """The index of `shards` that belongs at `path` (its entries name them relative to its folder), as written
+    and as read.
 
     Sizes are listed before the footers are read: a shard rewritten in between then mismatches its
     recorded size later and is re-read, never trusted with an old size and a new footer."""
-    index_fs, _, base = locate(path)
+    base = locate(path)[2]
     places = locate_all(shards)
     relative = []
     for shard in shards:
@@ -119,11 +134,7 @@ def write_index(shards: list[str], path: str, threads: int = FOOTER_THREADS) -> 
     lines = [json.dumps(entry, ensure_ascii=False, separators=(", ", ": ")) for entry in entries]
     head = json.dumps({"format": FORMAT, "version": VERSION})[:-1]
     text = head + ', "shards": [\n' + ",\n".join(lines) + "\n]}\n"
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with fsspec.open(temporary, "w", encoding="utf-8") as f:
-        f.write(text)
-    index_fs.mv(locate(temporary)[1], locate(path)[1])
-    return {"format": FORMAT, "version": VERSION, "shards": entries}
+    return text, {"format": FORMAT, "version": VERSION, "shards": entries}
 
 
 def _check_entry(where: str, entry: object) -> None:
@@ -153,11 +164,18 @@ def _check_entry(where: str, entry: object) -> None:
         raise BadIndexError(f"{where}.columns: {columns!r} is not a list of [name, type] string pairs")
 
 
+def _load_json(path: str) -> Any:
+    fs, bare = filesystem(path)
+    with fs.open(bare, "r", encoding="utf-8") as f:
+        return json.load(f)
+
+
 def read_index(path: str) -> dict[str, Any]:
     """An index file, checked key by key; anything malformed is a BadIndexError naming the file and key."""
     try:
-        with fsspec.open(path, "r", encoding="utf-8") as f:
-            index = json.load(f)
+        index = read_from_store(path, "reading the shard index", partial(_load_json, path))
+    except StoreError:
+        raise
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadIndexError(f"{path}: not a readable shard index ({type(e).__name__}: {e})") from e
     if not isinstance(index, dict) or index.get("format") != FORMAT:
@@ -280,6 +298,9 @@ def shard_infos(
     places = locate_all(shards) if index is not None else {}
     if index is not None:
         sizes = folder_sizes(places, threads)
+        for fs, _, folder in places.values():  # the listings are there: a glob's folders are checked too
+            if posixpath.join(folder, PREPARING) in sizes:
+                refuse_unfinished(to_url(fs, folder), [PREPARING])
         entries = _indexed_entries(places, sizes, index)
     missing = len(shards) - len(entries)
     stale = _drop_stale(entries, sizes, places)
@@ -344,10 +365,8 @@ class TorchChannel:
 
 
 # Errors raised on the other ranks as the type rank 0 raised; any other type arrives as a RuntimeError.
-_ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls
-    for cls in (BadShardError, NoDataError, BadIndexError, FileNotFoundError, ValueError, TypeError, OSError)
-}
+_SHARED_ERRORS = (BadShardError, NoDataError, BadIndexError, StoreError, FileNotFoundError, ValueError, TypeError)
+_ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (*_SHARED_ERRORS, OSError)}
 
 
 def share_from_rank0(compute: Callable[[], dict], channel: Channel | None = None) -> dict:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
-from fsspec.core import url_to_fs
+from data.store import StoreError, filesystem, read_from_store
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +20,7 @@ Place = tuple[Any, str, str]  # (filesystem, path without protocol, its folder)
 
 def locate(path: str) -> Place:
     """What listings and relative paths are keyed by."""
-    fs, bare = url_to_fs(path)
+    fs, bare = filesystem(path)
     return fs, bare, fs._parent(bare)
 
 
@@ -33,7 +34,7 @@ def locate_all(paths: list[str]) -> dict[str, Place]:
             places[path] = locate(path)
             continue
         if protocol not in filesystems:
-            filesystems[protocol] = url_to_fs(path)[0]
+            filesystems[protocol] = filesystem(path)[0]
         fs = filesystems[protocol]
         bare = fs._strip_protocol(path)
         places[path] = (fs, bare, fs._parent(bare))
@@ -42,14 +43,18 @@ def locate_all(paths: list[str]) -> dict[str, Place]:
 
 def folder_sizes(places: dict[str, Place], threads: int) -> dict[str, int]:
     """Size in bytes of every file in the folders of `places`, keyed by protocol-less path: one `ls`
-    per folder. A folder that cannot be listed is left out (its shards then read their footers)."""
+    per folder. A folder that cannot be listed is left out (its shards then read their footers); a store that
+    cannot be read is a StoreError."""
     folders: dict[tuple[int, str], Any] = {}
     for fs, _, folder in places.values():
         folders[(id(fs), folder)] = fs
 
     def listing(key: tuple[int, str]) -> dict[str, int]:
+        fs = folders[key]
         try:
-            entries = folders[key].ls(key[1], detail=True)
+            entries = read_from_store(to_url(fs, key[1]), "listing", partial(fs.ls, key[1], detail=True))
+        except StoreError:
+            raise
         except OSError as e:
             logger.warning(f"[data] cannot list {key[1]} ({type(e).__name__}: {e}): reading its shards' footers")
             return {}

@@ -18,7 +18,9 @@ non-string text, invalid UTF-8) fail the run when more than `--max-bad-fraction`
 empty documents and blank lines are counted, never bad. The output is built in a hidden folder
 beside OUT_DIR (`.NAME.partial-PID@HOST`) and renamed into place when complete, so an interrupted run
 leaves no partial shard under OUT_DIR; the next run to the same OUT_DIR removes such folders left by
-processes of this host that are gone (a killed run) and mentions those of another host.
+processes of this host that are gone (a killed run) and mentions those of another host. OUT_DIR may be a
+prefix on object storage (`s3://bucket/corpus`), which has no rename: data/prepare_output.py says how it
+is written there instead.
 Memory: one row group of documents, plus the token sample (a few MB per source).
 """
 
@@ -28,9 +30,9 @@ import argparse
 import itertools
 import json
 import os
-import re
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,26 +42,23 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
-from data.atomic import clean_stale as clean_stale_siblings
 from data.atomic import sibling
-from data.index import INDEX_NAME, write_index
+from data.index import INDEX_NAME, index_text, write_index
+from data.prepare_output import PrepareError, RemoteOutput, check_out_dir, clean_stale, commit, is_url, out_dir
 from data.prepare_report import FileStats, Sample, bad_rows_problem, describe, make_summary
 from data.readers import TEXT_MODES, Input, InputError, Skip, discover, read_rows
 
 SCHEMA = pa.schema([("text", pa.string()), ("source", pa.string())])
 ROW_GROUP_BYTES = 128 << 20  # a row group of huge documents is cut sooner: bounded memory, int32 offsets
-OURS = re.compile(r"shard-\d{5,}\.parquet|manifest\.txt|summary\.json|" + re.escape(INDEX_NAME))
-
-
-class PrepareError(Exception):
-    """A run that cannot go on; the message says why, naming the file or option."""
 
 
 class ShardWriter:
     """Parquet shards of `sizes` documents each (the next size when a shard opens), row group by row group."""
 
-    def __init__(self, folder: Path, sizes: Iterator[int], row_group_docs: int):
-        self.folder, self.sizes, self.row_group_docs = folder, sizes, row_group_docs
+    def __init__(
+        self, folder: Path, sizes: Iterator[int], row_group_docs: int, closed: Callable[[Path], None] | None = None
+    ):
+        self.folder, self.sizes, self.row_group_docs, self.closed = folder, sizes, row_group_docs, closed
         self.names: list[str] = []
         self.shard_docs: list[int] = []
         self.row_groups = 0
@@ -111,6 +110,8 @@ class ShardWriter:
         self._flush()
         if self._writer is not None:
             self._writer.close()
+            if self.closed:
+                self.closed(self.folder / self.names[-1])
         self._writer = None
 
     def close(self) -> list[str]:
@@ -154,65 +155,7 @@ def convert(
     return stats
 
 
-# -- the output folder ----------------------------------------------------------------------------
-
-
-def check_out_dir(out: Path, overwrite: bool, inputs: list[str]) -> None:
-    """OUT_DIR must be new, empty or (with --overwrite) an earlier output, and outside the input folders."""
-    if out.exists() and not out.is_dir():
-        raise PrepareError(f"{out}: exists and is not a folder")
-    entries = sorted(p.name for p in out.iterdir()) if out.exists() else []
-    if entries and not overwrite:
-        raise PrepareError(f"{out}: not empty ({len(entries)} entries, e.g. {entries[0]}); pass --overwrite to replace")
-    foreign = [name for name in entries if not OURS.fullmatch(name)]
-    if foreign:
-        raise PrepareError(
-            f"{out}: holds files data.prepare does not write ({', '.join(foreign[:5])}); refusing to replace it"
-        )
-    resolved = out.resolve()
-    for arg in inputs:
-        folder = Path(arg).resolve()
-        if folder.is_dir() and resolved.is_relative_to(folder):
-            raise PrepareError(f"{out}: inside the input folder {arg}; a later run would read its shards as input")
-
-
-def clean_stale(out: Path) -> None:
-    """Remove the temporary folders (`partial`: an output being built; `old`: the output it replaced) of
-    runs to `out` whose process on this host is gone, saying so (data/atomic.py). An `old` folder is
-    kept while `out` is missing: it may hold the only copy of the previous output."""
-
-    def keep(kind: str) -> str | None:
-        return (
-            f"the earlier output, moved aside before {out} was replaced" if kind == "old" and not out.exists() else None
-        )
-
-    clean_stale_siblings(
-        str(out), ("partial", "old"), "python -m data.prepare", lambda line: print(line, file=sys.stderr), keep
-    )
-
-
-def commit(partial: Path, out: Path) -> None:
-    """Put the finished folder in place: the old output (if any) moves aside first, then goes."""
-    if out.exists():
-        old = Path(sibling(str(out), "old"))
-        os.rename(out, old)
-        os.rename(partial, out)
-        shutil.rmtree(old)
-    else:
-        os.rename(partial, out)
-
-
 # -- command line ---------------------------------------------------------------------------------
-
-
-def local_folder(value: str) -> Path:
-    """OUT_DIR as a path; a URL is refused here, before Path turns `s3://b/x` into the local folder `s3:/b/x`."""
-    if "://" in value:
-        raise argparse.ArgumentTypeError(
-            f"{value} is a URL: data.prepare writes a local or shared folder (it builds the shards beside OUT_DIR "
-            "and renames them into place, which object storage cannot do); the loader reads shards from URLs"
-        )
-    return Path(value)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -221,7 +164,11 @@ def parser() -> argparse.ArgumentParser:
         description="Convert JSON lines, text files, parquet and saved HF datasets into the parquet shards "
         "the loader reads, with a manifest, a shard index and a summary.",
     )
-    p.add_argument("out_dir", type=local_folder, help="the folder to create; it must be new or empty (see --overwrite)")
+    p.add_argument(
+        "out_dir",
+        type=out_dir,
+        help="the folder to create, or a prefix on object storage (s3://bucket/corpus); new or empty (see --overwrite)",
+    )
     p.add_argument(
         "inputs",
         nargs="+",
@@ -290,9 +237,13 @@ def shard_sizes(args: argparse.Namespace, documents: int) -> Iterator[int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     inputs, ignored = discover(args.inputs, args.source)
-    out: Path = args.out_dir
-    check_out_dir(out, args.overwrite, args.inputs)
-    clean_stale(out)
+    remote = RemoteOutput(args.out_dir) if is_url(args.out_dir) else None
+    out = Path(args.out_dir)
+    if remote:
+        remote.check(args.overwrite)
+    else:
+        check_out_dir(out, args.overwrite, args.inputs)
+        clean_stale(out)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     documents = 0
     if args.shards:  # the counting pass: also fails on bad rows before anything is written
@@ -300,11 +251,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if problem := bad_rows_problem(counted, args.max_bad_fraction):
             raise PrepareError(problem)
         documents = sum(st.documents for st in counted)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(sibling(str(out), "partial"))
-    os.mkdir(partial)
+    partial = scratch(out, remote)
     try:
-        writer = ShardWriter(partial, shard_sizes(args, documents), args.row_group_docs)
+        if remote:
+            remote.claim()
+            remote.clear_old()
+        writer = ShardWriter(partial, shard_sizes(args, documents), args.row_group_docs, remote and remote.upload)
         samples: dict[str, Sample] | None = {} if tokenizer else None
         stats = convert(inputs, args.text_key, args.text_mode, writer.add, samples)
         if problem := bad_rows_problem(stats, args.max_bad_fraction):
@@ -314,20 +266,46 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise PrepareError(f"no documents in the inputs ({sum(st.rows for st in stats):,} rows read, none kept)")
         if args.shards and len(names) != args.shards:
             raise PrepareError(f"--shards {args.shards}: wrote {len(names)}; did the inputs change while read?")
-        final = out.resolve()
-        manifest = "# written by python -m data.prepare\n" + "".join(f"{final / name}\n" for name in names)
+        where = remote.name_url if remote else lambda name: str(out.resolve() / name)
+        manifest = "# written by python -m data.prepare\n" + "".join(f"{where(name)}\n" for name in names)
+        if remote:
+            (partial / INDEX_NAME).write_text(index_text(list(map(where, names)), where(INDEX_NAME))[0], "utf-8")
+        else:
+            write_index([str(partial / name) for name in names], str(partial / INDEX_NAME))
         (partial / "manifest.txt").write_text(manifest, encoding="utf-8")
-        write_index([str(partial / name) for name in names], str(partial / INDEX_NAME))
         estimate = (tokenizer, args.tokenizer, samples) if tokenizer and samples is not None else None
         summary = make_summary(
             stats, ignored, writer.shard_docs, writer.row_groups, args.min_shards, settings(args), estimate
         )
         (partial / "summary.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n", "utf-8")
-        commit(partial, out)
+        publish(partial, out, remote)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
+        if remote:
+            remote.abandon()
         raise
     return summary
+
+
+def scratch(out: Path, remote: RemoteOutput | None) -> Path:
+    """Where the output is built: a hidden sibling of OUT_DIR, renamed into place at the end; for object storage
+    a local temporary folder (TMPDIR) holding a shard at a time, each uploaded as it closes."""
+    if remote:
+        return Path(tempfile.mkdtemp(prefix="data-prepare-"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(sibling(str(out), "partial"))
+    os.mkdir(partial)
+    return partial
+
+
+def publish(partial: Path, out: Path, remote: RemoteOutput | None) -> None:
+    if not remote:
+        commit(partial, out)
+        return
+    for name in (INDEX_NAME, "manifest.txt", "summary.json"):  # the summary last: the output reads as complete
+        remote.upload(partial / name)
+    remote.finish()  # the marker goes
+    shutil.rmtree(partial, ignore_errors=True)
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:

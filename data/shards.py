@@ -14,18 +14,24 @@ both come from the one ranged read of the file's end that parsing the footer cos
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
+import posixpath
 import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
+from glob import has_magic
 from typing import IO, Any
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from data.store import StoreError, filesystem, read_from_store
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +42,23 @@ class BadShardError(ValueError):
 
 class NoDataError(ValueError):
     """Shards that yield no token (or no complete window): the message names them and what they held."""
+
+
+class UnfinishedFolderError(ValueError):
+    """A folder of shards that data.prepare is writing to object storage, or a killed run left: the marker it
+    writes first and deletes last is there, so the folder may hold part of a corpus."""
+
+
+PREPARING = "_PREPARING.json"  # data/prepare_output.py
+
+
+def refuse_unfinished(folder_url: str, names: Iterable[str]) -> None:
+    """Raise if `names` (a folder listing, base names) hold data.prepare's marker."""
+    if PREPARING in names:
+        raise UnfinishedFolderError(
+            f"{folder_url}: data.prepare has not finished writing this folder ({folder_url}/{PREPARING} is there): "
+            "wait for it, or rerun it with --overwrite if it was killed"
+        )
 
 
 def name_paths(paths: list[str], first: int = 4) -> str:
@@ -53,24 +76,39 @@ def path_kind(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
         return None
 
 
+def _manifest_lines(manifest: str) -> list[str]:
+    fs, bare = filesystem(manifest)
+    with fs.open(bare, "r") as f:
+        return [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+
+def _matches(pattern: str) -> list[str]:
+    """The URLs a glob, folder or path names (none if nothing is there)."""
+    fs, bare = filesystem(pattern)
+    matches = sorted(fs.glob(bare)) if has_magic(bare) else [bare]
+    if len(matches) == 1:  # a plain path comes back as given, there or not: one look-up says which
+        kind = path_kind(fs, matches[0])
+        if kind == "directory":
+            entries = fs.ls(matches[0], detail=False)
+            refuse_unfinished(pattern.rstrip("/"), (posixpath.basename(p) for p in entries))
+            matches = sorted(p for p in entries if p.endswith(".parquet"))
+        elif kind is None:
+            matches = []
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return [m if protocol == "file" else f"{protocol}://{m}" for m in matches]
+
+
 def list_shards(paths: list[str], manifest: str = "") -> list[str]:
-    """Shard URLs from globs/paths or a manifest file, sorted, each listed once."""
+    """Shard URLs from globs/paths or a manifest file, sorted, each listed once; a store that cannot be read
+    (no credentials, no answer) is a StoreError naming the URL."""
     if manifest:
-        with fsspec.open(manifest, "r") as f:
-            paths = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+        paths = read_from_store(manifest, "reading the manifest", partial(_manifest_lines, manifest))
     found: list[str] = []
     for pattern in paths:
-        fs, _, matches = fsspec.get_fs_token_paths(pattern)
-        if len(matches) == 1:  # a plain path comes back as given, there or not: one look-up says which
-            kind = path_kind(fs, matches[0])
-            if kind == "directory":
-                matches = sorted(p for p in fs.ls(matches[0], detail=False) if p.endswith(".parquet"))
-            elif kind is None:
-                matches = []
+        matches = read_from_store(pattern, "listing [data] paths", partial(_matches, pattern))
         if not matches:
             raise FileNotFoundError(f"[data] paths: {pattern!r} matches no parquet file")
-        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-        found += [m if protocol == "file" else f"{protocol}://{m}" for m in matches]
+        found += matches
     shards = sorted(set(found))
     if not shards:
         raise FileNotFoundError("[data] no shards: set [data] paths, [data] manifest or training.dataset_path")
@@ -185,14 +223,22 @@ def _read_tail(f: IO[bytes]) -> _Tail:
     return _Tail(f, size, start, data)
 
 
+def _parse_footer(path: str) -> tuple[_Tail, pq.FileMetaData, pa.Schema]:
+    fs, bare = filesystem(path)
+    with fs.open(bare, "rb") as f:
+        tail = _read_tail(f)
+        parquet = pq.ParquetFile(tail)
+        return tail, parquet.metadata, parquet.schema_arrow
+
+
 def read_footer(path: str) -> Footer:
     """Row-group sizes, Arrow columns, size and footer digest of one shard, from one read of its end where
-    the footer fits in 64 KiB; an unreadable file is a BadShardError naming it."""
+    the footer fits in 64 KiB; an unreadable file is a BadShardError naming it, a store that cannot be read
+    a StoreError."""
     try:
-        with fsspec.open(path, "rb") as f:
-            tail = _read_tail(f)
-            parquet = pq.ParquetFile(tail)
-            meta, schema = parquet.metadata, parquet.schema_arrow
+        tail, meta, schema = read_from_store(path, "reading its footer", partial(_parse_footer, path))
+    except StoreError:
+        raise
     except Exception as e:  # pyarrow raises several types for unreadable files
         raise BadShardError(f"{path}: unreadable parquet ({type(e).__name__}: {e})") from e
     length = int.from_bytes(tail.data[-8:-4], "little")  # pyarrow checked the magic and length
@@ -266,14 +312,34 @@ def _texts(table: pa.Table, column: str, path: str, index: int) -> list[str | No
     return values.to_pylist()
 
 
+@functools.lru_cache(maxsize=64)
+def _opened(path: str) -> tuple[int, pq.FileMetaData]:
+    """A shard's size and parquet footer, read once per process: a stream reads a shard's row groups one after
+    another, and on object storage each open would cost a HEAD and a footer GET before the row group's own."""
+    fs, bare = filesystem(path)
+    with fs.open(bare, "rb") as f:
+        meta = pq.ParquetFile(f).metadata
+        return f.seek(0, os.SEEK_END), meta
+
+
+def _read_columns(path: str, index: int, columns: list[str]) -> pa.Table:
+    size, meta = _opened(path)
+    fs, bare = filesystem(path)
+    known = {"size": size} if "s3" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)) else {}
+    with fs.open(bare, "rb", **known) as f:  # s3fs asks no HEAD for a size it is given
+        return pq.ParquetFile(f, metadata=meta).read_row_group(index, columns=columns)
+
+
 def read_row_group(
     path: str, index: int, text_column: str, source_column: str = ""
 ) -> tuple[list[str | None], list[str | None]]:
-    """(texts, sources) of one row group; sources are None without a source column."""
+    """(texts, sources) of one row group; sources are None without a source column. An unreadable (or deleted)
+    shard is a BadShardError naming it, a store that cannot be read a StoreError (never skipped)."""
     columns = [c for c in (text_column, source_column) if c]
     try:
-        with fsspec.open(path, "rb") as f:
-            table = pq.ParquetFile(f).read_row_group(index, columns=columns)
+        table = read_from_store(path, f"reading row group {index}", partial(_read_columns, path, index, columns))
+    except StoreError:
+        raise
     except Exception as e:
         raise BadShardError(f"{path}: row group {index} unreadable ({type(e).__name__}: {e})") from e
     texts = _texts(table, text_column, path, index)

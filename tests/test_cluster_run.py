@@ -22,6 +22,7 @@ from s3_server import s3_server
 
 from mhar_titan.components.lr_schedule import lr_factor
 from mhar_titan.components.tensorboard_scalars import read_scalars
+from mhar_titan.hf.run import load_run_checkpoint
 
 STEPS = ("--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2", "--validation.no-enable")
 SCHEDULE = ("--lr_scheduler.total_steps", "12", "--lr_scheduler.warmup_steps", "2")
@@ -45,6 +46,10 @@ def base(tmp_path_factory) -> tuple[Path, Path]:
     return run, corpus
 
 
+def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in load_run_checkpoint(str(run), step).named_parameters()}
+
+
 def copy_run(base_run: Path, to: Path, drop: tuple[int, ...] = ()) -> Path:
     shutil.copytree(base_run, to)
     for step in drop:
@@ -66,6 +71,25 @@ def files(run: Path) -> dict[Path, tuple[bool, int]]:
 def test_the_last_steps_save_applies_retention(base):
     run, _ = base
     assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-6", "step-7"]  # step 4 purged at 7
+
+
+def test_a_run_on_s3_from_the_first_step_trains_as_the_run_on_local_files(base, tmp_path):
+    """2 ranks, the mixture's sources, their held-out validation sets and a set of its own all on s3:// (a real
+    S3 server, s3fs): the same losses and weights as the base run on local files, bit for bit."""
+    run, corpus = base
+    with s3_server() as fs:
+        fs.mkdir("corpora")
+        fs.put(f"{corpus}/", "corpora/moved/", recursive=True)
+        sets = "docstrings:heldout=docstrings,code:heldout=code,files:s3://corpora/moved/code"
+        args = ("--training.steps", "7", *STEPS[:-1], *SCHEDULE, *mixture("s3://corpora/moved"))
+        on_s3 = tmp_path / "on_s3"
+        torchrun(on_s3, *args, "--validation.freq", "7", "--data.validation_sets", sets)
+    assert read_scalars(on_s3, "train/loss") == read_scalars(run, "train/loss")
+    for tag in ("val/docstrings/ce", "val/code/ce", "val/files/ce"):
+        assert list(read_scalars(on_s3, tag)) == [0, 7]  # before the first step, and at the last
+    assert all(torch.equal(a, b) for a, b in zip(weights(on_s3, 7).values(), weights(run, 7).values(), strict=True))
+    ours, theirs = (json.loads((r / "fingerprint.json").read_text())["data"] for r in (on_s3, run))
+    assert ours["contents"] == theirs["contents"]  # the shards by their contents: where they lie is not recorded
 
 
 def test_another_rank_count_continues_exactly_from_the_corpus_on_s3_and_another_local_batch_is_refused(base, tmp_path):

@@ -38,6 +38,10 @@ def arrow_stream(path, table):
 
 @pytest.fixture
 def inputs(tmp_path):
+    return make_inputs(tmp_path)
+
+
+def make_inputs(tmp_path):
     """One input of each kind, bad rows in the JSON lines; returns (paths, the documents they hold in order as
     (text, source), the bad rows of web.jsonl by reason)."""
     root = tmp_path / "in"
@@ -194,16 +198,6 @@ def test_a_non_empty_out_dir_is_refused_and_only_an_earlier_output_is_replaced(i
     run(out, *paths, *LIMIT)  # an empty folder is fine
     run(tmp_path / "in" / "shards", tmp_path / "in", *LIMIT, expect=1)
     assert "inside the input folder" in capsys.readouterr().err
-
-
-def test_a_url_as_out_dir_is_refused_in_one_line_before_anything_is_written(inputs, tmp_path, monkeypatch, capsys):
-    paths, _, _ = inputs
-    monkeypatch.chdir(tmp_path)  # Path("s3://bucket/corpus") is the local folder s3:/bucket/corpus
-    with pytest.raises(SystemExit) as exit_:
-        prepare.main(["s3://bucket/corpus", *map(str, paths)])
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "s3://bucket/corpus is a URL: data.prepare writes a local or shared folder" in err
-    assert "Traceback" not in err and not (tmp_path / "s3:").exists()
 
 
 def test_an_interrupted_run_leaves_no_partial_output(inputs, tmp_path, monkeypatch):
