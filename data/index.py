@@ -48,14 +48,14 @@ from data.shards import (
     refuse_unfinished,
     settle_bad_shards,
 )
-from data.store import StoreError, filesystem, read_from_store
+from data.store import CONNECTIONS, StoreError, filesystem, read_from_store
 
 logger = logging.getLogger(__name__)
 
 INDEX_NAME = "_index.json"
 FORMAT = "mhar-titan shard index"
 VERSION = 1
-FOOTER_THREADS = 64  # footer reads are latency-bound: many in flight hide a remote store's round trips
+FOOTER_THREADS = CONNECTIONS  # footer reads are latency-bound: many in flight hide a remote store's round trips
 
 
 class BadIndexError(ValueError):

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import fsspec.config
 from fsspec.core import url_to_fs
 
 try:  # aiohttp and botocore come with s3fs (the `s3` extra); without them no S3 error can occur
@@ -61,6 +62,9 @@ BOUND_HINT = (
 )
 
 
+CONNECTIONS = 64  # data/index.py FOOTER_THREADS: the start-up's footer reads in flight
+
+
 class StoreError(OSError):
     """The store did not give what was asked: no credentials, or no answer within the bound; names the URL."""
 
@@ -71,17 +75,26 @@ _MAKING = threading.Lock()  # start-up reads footers on 64 threads: one filesyst
 
 def filesystem(url: str) -> tuple[Any, str]:
     """(filesystem, path without protocol) for a URL; on S3 a filesystem of the loader's own, whose retries are
-    botocore's alone: one per protocol, process (a forked loader worker makes its own) and AWS_* environment
-    (the endpoint and credentials its client was made with)."""
+    botocore's alone: one per protocol, process (a forked loader worker makes its own), fsspec S3 config and AWS_*
+    environment (the endpoint and credentials its client was made with)."""
     protocol = url.split("://", 1)[0] if "://" in url else "file"
     if protocol not in ("s3", "s3a") or "::" in url:
         return url_to_fs(url)
-    key = (protocol, os.getpid(), *sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    user = fsspec.config.conf.get("s3", {})  # FSSPEC_S3, as fsspec applies it to s3fs
+    key = (
+        protocol,
+        os.getpid(),
+        repr(sorted(user.items())),
+        *sorted(kv for kv in os.environ.items() if kv[0].startswith("AWS_")),
+    )
     with _MAKING:
         if key not in _FILESYSTEMS:
             # Not fsspec's shared instance (whose retries stay as they are), and no listings cache: a listing kept from
             # start-up would hide a shard deleted or a folder changed since, by this process or another.
-            fs, _ = url_to_fs(url, skip_instance_cache=True, use_listings_cache=False)
+            # Connections: one per footer-reading thread of the start-up (botocore's default pool of 10 kept 54 of 64
+            # waiting); the user's FSSPEC_S3 config_kwargs (timeouts, a pool size) are kept, not replaced.
+            pool = {"max_pool_connections": CONNECTIONS, **user.get("config_kwargs", {})}
+            fs, _ = url_to_fs(url, skip_instance_cache=True, use_listings_cache=False, config_kwargs=pool)
             fs.retries = 1  # s3fs's own retry loops (5 tries, nested) on top of botocore's: off
             _FILESYSTEMS[key] = fs
         fs = _FILESYSTEMS[key]

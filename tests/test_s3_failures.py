@@ -24,9 +24,10 @@ from test_data import BATCH, ENCODE, SEQ, take
 
 from benchmarks.s3_proxy import S3Proxy
 from data.config import DataConfig
+from data.index import FOOTER_THREADS
 from data.loader import ParquetDataLoader, source_infos
 from data.shards import BadShardError, read_row_group
-from data.store import StoreError, read_from_store
+from data.store import StoreError, filesystem, read_from_store
 from data.stream import epoch_streams
 from mhar_titan.components.checkpoint import complete_steps
 from mhar_titan.components.checksums import verify_share
@@ -280,3 +281,11 @@ def test_the_loader_and_data_prepare_import_without_the_s3_extra():
     code = f"{blocked}; import data.loader, data.prepare, data.store; print(data.store.CLIENT_ERRORS)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "()", proc.stderr
+
+
+def test_the_loaders_s3_client_keeps_a_connection_per_footer_thread_and_the_users_fsspec_settings(monkeypatch):
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"read_timeout": 3}})
+    fs, _ = filesystem("s3://corpora/tiny")
+    assert fs.config_kwargs == {"max_pool_connections": FOOTER_THREADS, "read_timeout": 3} and fs.retries == 1
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"max_pool_connections": 8}})
+    assert filesystem("s3://corpora/tiny")[0].config_kwargs == {"max_pool_connections": 8}  # the user's, kept
