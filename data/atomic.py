@@ -9,16 +9,22 @@ because data.prepare writes its output folders with it too).
   writer to the same output can then tell a killed writer's folder (this host, a process that is gone:
   removed, and said) from a live writer's (kept) or another host's (kept, and mentioned), and it touches
   nothing else. The run lock asks `pid_alive`.
+- `RemoteFolder`: the same promise on object storage, which has no rename: a marker created exclusively first
+  and deleted last (data.prepare's corpora and HF exports on `s3://`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Callable
+
+from fsspec.core import url_to_fs
 
 HOST = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
 
@@ -112,3 +118,107 @@ def clean_stale(
             shutil.rmtree(path)
             gone = "an earlier process with this PID" if pid == os.getpid() else "which is gone"
             log(f"removed {path}: {folder} left by PID {pid} on this host, {gone}")
+
+
+# -- object storage: no rename, so a marker created first and deleted last ---------------------------------
+
+
+class OutputError(ValueError):
+    """An output on object storage that cannot be written; the message names the URL and why."""
+
+
+class RemoteFolder:
+    """An output folder on object storage (`s3://bucket/prefix`), written without renames: `claim` creates the
+    `marker` only if no other writer has (a conditional write), `upload` puts each finished file, `finish`
+    deletes the marker last; `abandon` removes this writer's files after a failure. A writer killed midway
+    leaves the marker, naming its PID and host: `check` refuses the folder then, unless that process was on
+    this host and is gone and `replace` is allowed (its leftovers are then the caller's to replace). `tool`
+    names the writer in messages."""
+
+    def __init__(self, url: str, marker: str, tool: str, redo: str = "rerun with --overwrite"):
+        self.url, self.marker, self.tool, self.redo = url.rstrip("/"), marker, tool, redo
+        self.fs, self.root = url_to_fs(self.url)
+        self.uploaded: list[str] = []
+        self.claimed = False
+
+    def path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def name_url(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def listing(self) -> list[str]:
+        """The folder's entries (a sub-folder with a trailing /), read fresh; [] if nothing is there."""
+        try:
+            entries = self.fs.ls(self.root, detail=True, refresh=True)
+        except FileNotFoundError:
+            return []
+        except Exception as e:  # noqa: BLE001  the store's first answer: a missing bucket, no credentials (botocore's own type)
+            raise OutputError(f"{self.url}: cannot list it ({type(e).__name__}: {e})") from e
+        return sorted(os.path.basename(e["name"].rstrip("/")) + ("/" if e["type"] == "directory" else "")
+                      for e in entries)  # fmt: skip
+
+    def check(self, replace: bool, log: Callable[[str], None]) -> list[str]:
+        """The folder's entries after the marker of a killed writer of this host is removed (with `replace`);
+        raises on any other writer's marker."""
+        entries = self.listing()
+        if self.marker not in entries:
+            return entries
+        marker = self.name_url(self.marker)
+        try:
+            owner = json.loads(self.fs.cat_file(self.path(self.marker)))
+            pid, host, started = int(owner["pid"]), str(owner["host"]), str(owner["started"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise OutputError(f"{marker}: a {self.tool} marker that cannot be read ({e}); delete it if no run "
+                              "writes this folder") from e  # fmt: skip
+        who = f"PID {pid} on host {host}, started {started}"
+        if host == HOST and pid != os.getpid() and pid_alive(pid):
+            raise OutputError(f"{self.url}: being written by {self.tool} ({who})")
+        if host != HOST:
+            raise OutputError(f"{self.url}: written by {self.tool} ({who}), which has not finished; if that run "
+                              f"is gone, delete {marker} and rerun")  # fmt: skip
+        if not replace:
+            raise OutputError(f"{self.url}: left incomplete by a killed {self.tool} ({who}); {self.redo}")
+        log(f"{self.url}: removing the incomplete output of a killed {self.tool} ({who})")
+        self.fs.rm_file(self.path(self.marker))
+        return [e for e in entries if e != self.marker]
+
+    def claim(self) -> None:
+        """The marker, created only if no other writer has created it since `check` (a conditional write)."""
+        owner = {"pid": os.getpid(), "host": HOST, "fqdn": socket.getfqdn(),
+                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+        try:
+            with self.fs.open(self.path(self.marker), "xb") as f:
+                f.write(json.dumps(owner).encode())
+        except FileExistsError as e:
+            raise OutputError(f"{self.url}: another {self.tool} began writing it just now") from e
+        except (OSError, ValueError, NotImplementedError) as e:
+            raise OutputError(f"{self.url}: cannot create {self.marker} there ({type(e).__name__}: {e})") from e
+        self.claimed = True
+
+    def delete(self, names: list[str]) -> None:
+        for name in names:
+            self.fs.rm_file(self.path(name))
+
+    def upload(self, local: str, name: str | None = None, keep: bool = False) -> None:
+        """Put one finished file there (as `name`, default its own) and, unless `keep`, free its local copy."""
+        name = name or os.path.basename(local)
+        self.fs.put_file(local, self.path(name))
+        self.uploaded.append(name)
+        if not keep:
+            os.unlink(local)
+
+    def finish(self) -> None:
+        self.fs.rm_file(self.path(self.marker))
+        self.claimed = False
+
+    def abandon(self, log: Callable[[str], None]) -> None:
+        """After a failure: delete this writer's files, then its marker; what cannot be deleted is said."""
+        if not self.claimed:
+            return
+        try:
+            self.delete(self.uploaded)
+            self.fs.rm_file(self.path(self.marker))
+        except OSError as e:
+            log(f"{self.url}: could not delete this run's partial output ({e}); its {self.marker} stays: "
+                f"{self.redo}")  # fmt: skip

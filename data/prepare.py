@@ -42,9 +42,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
-from data.atomic import sibling
+from data.atomic import OutputError, RemoteFolder, sibling
 from data.index import INDEX_NAME, index_text, write_index
-from data.prepare_output import PrepareError, RemoteOutput, check_out_dir, clean_stale, commit, is_url, out_dir
+from data.prepare_output import (
+    PrepareError,
+    check_out_dir,
+    clean_stale,
+    clear_old,
+    commit,
+    is_url,
+    out_dir,
+    remote_output,
+    say,
+)
 from data.prepare_report import FileStats, Sample, bad_rows_problem, describe, make_summary
 from data.readers import TEXT_MODES, Input, InputError, Skip, discover, read_rows
 
@@ -237,11 +247,9 @@ def shard_sizes(args: argparse.Namespace, documents: int) -> Iterator[int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     inputs, ignored = discover(args.inputs, args.source)
-    remote = RemoteOutput(args.out_dir) if is_url(args.out_dir) else None
+    remote = remote_output(args.out_dir, args.overwrite) if is_url(args.out_dir) else None
     out = Path(args.out_dir)
-    if remote:
-        remote.check(args.overwrite)
-    else:
+    if not remote:
         check_out_dir(out, args.overwrite, args.inputs)
         clean_stale(out)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
@@ -255,8 +263,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         if remote:
             remote.claim()
-            remote.clear_old()
-        writer = ShardWriter(partial, shard_sizes(args, documents), args.row_group_docs, remote and remote.upload)
+            clear_old(remote)
+        upload = (lambda path: remote.upload(str(path))) if remote else None
+        writer = ShardWriter(partial, shard_sizes(args, documents), args.row_group_docs, upload)
         samples: dict[str, Sample] | None = {} if tokenizer else None
         stats = convert(inputs, args.text_key, args.text_mode, writer.add, samples)
         if problem := bad_rows_problem(stats, args.max_bad_fraction):
@@ -282,12 +291,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         if remote:
-            remote.abandon()
+            remote.abandon(say)
         raise
     return summary
 
 
-def scratch(out: Path, remote: RemoteOutput | None) -> Path:
+def scratch(out: Path, remote: RemoteFolder | None) -> Path:
     """Where the output is built: a hidden sibling of OUT_DIR, renamed into place at the end; for object storage
     a local temporary folder (TMPDIR) holding a shard at a time, each uploaded as it closes."""
     if remote:
@@ -298,12 +307,12 @@ def scratch(out: Path, remote: RemoteOutput | None) -> Path:
     return partial
 
 
-def publish(partial: Path, out: Path, remote: RemoteOutput | None) -> None:
+def publish(partial: Path, out: Path, remote: RemoteFolder | None) -> None:
     if not remote:
         commit(partial, out)
         return
     for name in (INDEX_NAME, "manifest.txt", "summary.json"):  # the summary last: the output reads as complete
-        remote.upload(partial / name)
+        remote.upload(str(partial / name))
     remote.finish()  # the marker goes
     shutil.rmtree(partial, ignore_errors=True)
 
@@ -335,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     try:
         summary = run(args)
-    except (InputError, PrepareError) as e:
+    except (InputError, PrepareError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(describe(summary))

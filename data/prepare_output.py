@@ -13,18 +13,13 @@ process and host, and the next `--overwrite` run from that host removes the left
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
-import socket
 import sys
-import time
 from pathlib import Path
 
-from fsspec.core import url_to_fs
-
-from data.atomic import HOST, pid_alive, sibling
+from data.atomic import RemoteFolder, sibling
 from data.atomic import clean_stale as clean_stale_siblings
 from data.index import INDEX_NAME
 from data.shards import PREPARING
@@ -101,101 +96,19 @@ def commit(partial: Path, out: Path) -> None:
         os.rename(partial, out)
 
 
-# -- object storage: a marker written first and deleted last ---------------------------------------------
+# -- object storage (data/atomic.py RemoteFolder: a marker created first and deleted last) ---------------------
 
 
-class RemoteOutput:
-    """OUT_DIR on object storage. `claim` before anything is written there, `upload` each finished file,
-    `finish` once all are up; `abandon` removes this run's files after a failure."""
+def remote_output(url: str, overwrite: bool) -> RemoteFolder:
+    """OUT_DIR on object storage, checked as a folder is: new, empty, or (with --overwrite) an earlier output."""
+    remote = RemoteFolder(url, PREPARING, "data.prepare")
+    check_entries(url, remote.check(overwrite, say), overwrite)
+    return remote
 
-    def __init__(self, url: str):
-        self.url = url
-        self.fs, self.root = url_to_fs(url)
-        self.uploaded: list[str] = []
-        self.claimed = False
 
-    def path(self, name: str) -> str:
-        return f"{self.root}/{name}"
-
-    def name_url(self, name: str) -> str:
-        return f"{self.url}/{name}"
-
-    def listing(self) -> list[str]:
-        try:
-            entries = self.fs.ls(self.root, detail=True, refresh=True)
-        except FileNotFoundError:
-            return []
-        except Exception as e:  # noqa: BLE001  the store's first answer: a missing bucket, no credentials (botocore's own type)
-            raise PrepareError(f"{self.url}: cannot list it ({type(e).__name__}: {e})") from e
-        return sorted(os.path.basename(e["name"].rstrip("/")) + ("/" if e["type"] == "directory" else "")
-                      for e in entries)  # fmt: skip
-
-    def check(self, overwrite: bool) -> None:
-        """Refuse a prefix that holds anything else, or our earlier output without --overwrite, or a run's
-        marker unless this host's run that wrote it is gone."""
-        entries = self.listing()
-        if PREPARING in entries:
-            self._check_marker(overwrite)
-        check_entries(self.url, entries, overwrite)
-
-    def _check_marker(self, overwrite: bool) -> None:
-        marker = self.name_url(PREPARING)
-        try:
-            owner = json.loads(self.fs.cat_file(self.path(PREPARING)))
-            pid, host, started = int(owner["pid"]), str(owner["host"]), str(owner["started"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise PrepareError(f"{marker}: a data.prepare marker that cannot be read ({e}); delete it if no run "
-                               "writes this prefix, then rerun with --overwrite") from e  # fmt: skip
-        who = f"PID {pid} on host {host}, started {started}"
-        if host == HOST and pid != os.getpid() and pid_alive(pid):
-            raise PrepareError(f"{self.url}: being written by data.prepare ({who})")
-        if host != HOST:
-            raise PrepareError(f"{self.url}: written by data.prepare ({who}), which has not finished; if that run "
-                               f"is gone, delete {marker} and rerun with --overwrite")  # fmt: skip
-        if not overwrite:
-            raise PrepareError(f"{self.url}: left incomplete by a killed data.prepare ({who}); rerun with --overwrite")
-        say(f"{self.url}: removing the incomplete output of a killed data.prepare ({who})")
-        self.fs.rm_file(self.path(PREPARING))
-
-    def claim(self) -> None:
-        """The marker, created only if no other run has created it since `check` (a conditional write)."""
-        owner = {"pid": os.getpid(), "host": HOST, "fqdn": socket.getfqdn(),
-                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
-        try:
-            with self.fs.open(self.path(PREPARING), "xb") as f:
-                f.write(json.dumps(owner).encode())
-        except FileExistsError as e:
-            raise PrepareError(f"{self.url}: another data.prepare run began writing it just now") from e
-        except (OSError, ValueError, NotImplementedError) as e:
-            raise PrepareError(f"{self.url}: cannot create {PREPARING} there ({type(e).__name__}: {e})") from e
-        self.claimed = True
-
-    def clear_old(self) -> None:
-        """Delete an earlier output, its summary first: from then on it no longer reads as complete."""
-        names = [n for n in self.listing() if OURS.fullmatch(n)]
-        for name in sorted(names, key=lambda n: (n != "summary.json", n != "manifest.txt", n)):
-            self.fs.rm_file(self.path(name))
-        if names:
-            say(f"{self.url}: deleted the earlier output ({len(names)} files)")
-
-    def upload(self, local: Path) -> None:
-        """Put one finished file there and free its local copy."""
-        self.fs.put_file(str(local), self.path(local.name))
-        self.uploaded.append(local.name)
-        local.unlink()
-
-    def finish(self) -> None:
-        self.fs.rm_file(self.path(PREPARING))
-        self.claimed = False
-
-    def abandon(self) -> None:
-        """After a failure: delete this run's files, then its marker; what cannot be deleted is said."""
-        if not self.claimed:
-            return
-        try:
-            for name in self.uploaded:
-                self.fs.rm_file(self.path(name))
-            self.fs.rm_file(self.path(PREPARING))
-        except OSError as e:
-            say(f"{self.url}: could not delete this run's partial output ({e}); its {PREPARING} stays, so no "
-                "job reads it: rerun with --overwrite")  # fmt: skip
+def clear_old(remote: RemoteFolder) -> None:
+    """Delete an earlier output, its summary first: from then on it no longer reads as complete."""
+    names = [n for n in remote.listing() if OURS.fullmatch(n)]
+    remote.delete(sorted(names, key=lambda n: (n != "summary.json", n != "manifest.txt", n)))
+    if names:
+        say(f"{remote.url}: deleted the earlier output ({len(names)} files)")

@@ -14,11 +14,10 @@ from test_data import BATCH, ENCODE, SEQ, take
 from test_data_prepare import LIMIT, make_inputs
 
 from data import prepare
-from data.atomic import HOST
+from data.atomic import HOST, OutputError, RemoteFolder
 from data.config import DataConfig
 from data.index import INDEX_NAME
 from data.loader import ParquetDataLoader, ValidationLoader, source_infos
-from data.prepare_output import PrepareError, RemoteOutput
 from data.shards import PREPARING, UnfinishedFolderError, list_shards
 
 BUCKET = "corpora"
@@ -171,9 +170,9 @@ def test_a_failed_prepare_to_s3_leaves_nothing_and_a_killed_one_leaves_a_marker_
 
 
 def test_two_prepares_to_one_prefix_cannot_both_claim_it(s3):
-    first, second = RemoteOutput(f"s3://{BUCKET}/claimed"), RemoteOutput(f"s3://{BUCKET}/claimed")
+    first, second = (RemoteFolder(f"s3://{BUCKET}/claimed", PREPARING, "data.prepare") for _ in range(2))
     first.claim()
-    with pytest.raises(PrepareError, match="another data.prepare run began writing it just now"):
+    with pytest.raises(OutputError, match="another data.prepare began writing it just now"):
         second.claim()
     first.finish()
     assert not s3.exists(f"{BUCKET}/claimed/{PREPARING}")

@@ -339,8 +339,7 @@ def test_export_and_init_folders_get_the_mode_mkdir_would_give(hf_dir, tmp_path,
     assert stat.S_IMODE((tmp_path / "init").stat().st_mode) == want
 
 
-def test_export_cli_checks_its_inputs_first_and_answers_in_one_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # where a URL taken for a path would become the folder s3:/bucket/out
+def test_export_cli_checks_its_inputs_first_and_answers_in_one_line(tmp_path, capsys):
     run, out = tmp_path / "run", tmp_path / "out"
     write_tiny_run(run, tmp_path / "no-base", MHAR(enable=False), seed=0, step=4)
     out.mkdir()
@@ -348,12 +347,11 @@ def test_export_cli_checks_its_inputs_first_and_answers_in_one_line(tmp_path, ca
         ([str(run), str(out)], f"{out} already exists; export into a new directory"),
         ([str(tmp_path / "nothing"), str(tmp_path / "o1")], "no complete checkpoint (step-N with .metadata)"),
         ([str(run), str(tmp_path / "o2"), "--step", "7"], "no complete checkpoint for step 7; have [4]"),
-        ([str(run), "s3://bucket/out"], "s3://bucket/out is a URL: the export goes to a local or shared folder"),
     ]:
         with pytest.raises(SystemExit) as stop:
             hf_cli.main(["export", *argv])
         assert str(stop.value).startswith("python -m mhar_titan.hf export: ") and message in str(stop.value)
-    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists() and not (tmp_path / "s3:").exists()
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
     hf_cli.main(["export", str(run), str(tmp_path / "o3"), "--dtype", "fp32"])
     printed = capsys.readouterr()
     assert f"the run's base {tmp_path / 'no-base'} is not there: the export gets no tokenizer files" in printed.err

@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from mhar_titan.hf.files import (
     check_new_output,
     copy_modeling_files,
     export_config,
+    remote_folder,
     temp_folder,
     write_shards,
 )
@@ -90,28 +92,65 @@ def write_folder(
     """An HF folder made in a temporary sibling and renamed into place: an interrupted export leaves
     nothing under `out_dir`, and a killed one a sibling that the next export to `out_dir` removes.
     `write_weights(tmp)` writes the shards and their index; the tokenizer files of `tokenizer_dir`
-    that are there are copied in. Every file and folder gets the mode `open`/`mkdir` would give."""
+    that are there are copied in. Every file and folder gets the mode `open`/`mkdir` would give.
+    On object storage (`s3://...`) the folder is made in TMPDIR and uploaded: `write_remote`."""
+    if "://" in out_dir:
+        write_remote(out_dir, lambda tmp: fill_folder(tmp, write_weights, config, tokenizer_dir, log), log)
+        return
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = temp_folder(out_dir, log)
     try:
-        write_weights(tmp)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        if "auto_map" in config:
-            copy_modeling_files(tmp)
-        if tokenizer_dir:
-            fs, root = fsspec.core.url_to_fs(tokenizer_dir)
-            copied = [name for name in TOKENIZER_FILES if fs.exists(join(root, name))]
-            for name in copied:  # fs.get writes through open(): the mode follows the umask
-                fs.get(join(root, name), os.path.join(tmp, name))
-            log(f"tokenizer files from {tokenizer_dir}: {', '.join(copied) or 'none'}")
+        fill_folder(tmp, write_weights, config, tokenizer_dir, log)
         if os.path.exists(out_dir):
             raise FileExistsError(f"{out_dir} already exists; export into a new directory")
         os.rename(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_remote(out_dir: str, fill: Callable[[str], None], log: Callable[[str], None]) -> None:
+    """An HF folder on object storage, which has no rename: built in TMPDIR (room for the whole export), then
+    uploaded after `_EXPORTING.json` is created there exclusively, config.json last, the marker deleted at the
+    end. A reader that waits for config.json and no marker reads a complete folder; a failed export deletes
+    what it uploaded."""
+    remote = remote_folder(out_dir)
+    check_new_output(out_dir)  # again, just before the claim
+    tmp = tempfile.mkdtemp(prefix="hf-export-")
+    try:
+        fill(tmp)
+        remote.claim()
+        names = sorted(os.listdir(tmp), key=lambda name: (name == "config.json", name))
+        for name in names:
+            remote.upload(os.path.join(tmp, name))
+        remote.finish()
+        log(f"uploaded {len(names)} files to {out_dir}")
+    except BaseException:
+        remote.abandon(log)
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def fill_folder(
+    tmp: str,
+    write_weights: Callable[[str], None],
+    config: dict[str, Any],
+    tokenizer_dir: str | None,
+    log: Callable[[str], None],
+) -> None:
+    write_weights(tmp)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    if "auto_map" in config:
+        copy_modeling_files(tmp)
+    if tokenizer_dir:
+        fs, root = fsspec.core.url_to_fs(tokenizer_dir)
+        copied = [name for name in TOKENIZER_FILES if fs.exists(join(root, name))]
+        for name in copied:  # fs.get writes through open(): the mode follows the umask
+            fs.get(join(root, name), os.path.join(tmp, name))
+        log(f"tokenizer files from {tokenizer_dir}: {', '.join(copied) or 'none'}")
 
 
 def export_hf(

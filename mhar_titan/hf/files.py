@@ -19,7 +19,7 @@ import fsspec
 import torch
 from safetensors.torch import save_file
 
-from data.atomic import clean_stale, sibling, umask
+from data.atomic import RemoteFolder, clean_stale, sibling, umask
 from mhar_titan.model.args import MHAR
 from mhar_titan.model.hf_config import MHAR_ARCHITECTURE, MHAR_MODEL_TYPE
 
@@ -99,12 +99,21 @@ NAME_MAX = 255
 EXPORT = "export"  # the kind of sibling an export or init writes in (data/atomic.py)
 
 
+EXPORTING = "_EXPORTING.json"  # on object storage: created first, deleted last (data/atomic.py RemoteFolder)
+
+
+def remote_folder(out_dir: str, verb: str = "export") -> RemoteFolder:
+    return RemoteFolder(out_dir, EXPORTING, f"hf {verb}", redo=f"delete {out_dir} and {verb} again")
+
+
 def check_new_output(out_dir: str, verb: str = "export") -> None:
-    """Refuse an existing output (or one whose temporary sibling's name would be too long), or a URL (os.makedirs
-    would make a local folder `s3:` of it), before any work."""
+    """Refuse an existing output (or one whose temporary sibling's name would be too long), on disk or on object
+    storage (a prefix with anything under it), before any work."""
     if "://" in out_dir:
-        raise ValueError(f"{out_dir} is a URL: the {verb} goes to a local or shared folder (written beside it, then "
-                         "renamed into place); copy it to object storage afterwards")  # fmt: skip
+        if entries := remote_folder(out_dir, verb).check(replace=False, log=print):
+            raise FileExistsError(f"{out_dir} already exists ({len(entries)} entries, e.g. {entries[0]}); {verb} "
+                                  "into a new folder")  # fmt: skip
+        return
     if os.path.lexists(out_dir):
         raise FileExistsError(f"{out_dir} already exists; {verb} into a new directory")
     name = os.path.basename(sibling(out_dir, EXPORT))
