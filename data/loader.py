@@ -158,12 +158,22 @@ class ParquetDataLoader(BaseDataLoader):
         num_workers: int = 0,
         infos: dict[str, ShardInfo] | None = None,
         accumulation: int = 1,
+        workers: dict[str, Any] | None = None,
     ):
         """`shards`: each mixture source's usable shards by name (a list: the one source of `paths`);
         `infos`: their row groups from the start-up check (`source_shards`), so no stream reads a footer;
         `accumulation`: the microbatches a rank takes a training step (the step, and so the mixture stage, of
-        each batch)."""
+        each batch); `workers`: torchtitan's other `[training.dataloader]` settings (`prefetch_factor`, the
+        batches each worker keeps ready, 2 unless set; `pin_memory`; `persistent_workers`)."""
         cfg.validate()
+        self.workers = {"prefetch_factor": None, "pin_memory": False, "persistent_workers": False, **(workers or {})}
+        if not num_workers and (self.workers["prefetch_factor"] is not None or self.workers["persistent_workers"]):
+            raise ValueError(
+                "[training.dataloader] prefetch_factor and persistent_workers act on loader workers: set num_workers "
+                f"(a divisor of the streams per rank) or leave them unset ({self.workers})"
+            )
+        if self.workers["prefetch_factor"] is not None and self.workers["prefetch_factor"] < 1:
+            raise ValueError(f"[training.dataloader] prefetch_factor = {self.workers['prefetch_factor']}: at least 1")
         if cfg.num_streams % dp_world:
             raise ValueError(f"[data] num_streams = {cfg.num_streams} must be a multiple of the {dp_world} DP ranks")
         per_rank = cfg.num_streams // dp_world
@@ -201,7 +211,9 @@ class ParquetDataLoader(BaseDataLoader):
             dataset,
             batch_size=None,
             num_workers=self.num_workers,
-            prefetch_factor=2 if self.num_workers else None,
+            prefetch_factor=(self.workers["prefetch_factor"] or 2) if self.num_workers else None,
+            pin_memory=self.workers["pin_memory"],
+            persistent_workers=self.workers["persistent_workers"],
         )
         for item in loader:
             self.states[item["stream"]] = item["state"]
@@ -401,6 +413,7 @@ def build_parquet_dataloader(
         num_workers=t.dataloader.num_workers,
         infos=infos,
         accumulation=accumulation,
+        workers={k: getattr(t.dataloader, k) for k in ("prefetch_factor", "pin_memory", "persistent_workers")},
     )
 
 

@@ -5,7 +5,7 @@ command line names another module, so every job has these sections.
 """
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TitanJobConfig
@@ -158,6 +158,7 @@ def parse_config(argv: list[str]) -> TitanJobConfig:
             f"[model] attention_mask = {config.model.attention_mask!r} must be one of {', '.join(ATTENTION_MASKS)}"
         )
     check_spikes(config.spikes)
+    check_unused_validation_loader(config)
     check_stages(config)
     fingerprint.check_allow(config.checkpoint.allow_changes)  # at every start: a typo is seen at once
     if config.checkpoint.last_save_in_hf:
@@ -182,6 +183,20 @@ def check_local_folders(config: TitanJobConfig) -> None:
                 f"{key} = {value!r} is a URL: the run folder (checkpoints, the run lock, logs, records) must be a "
                 "local or shared file system path; object storage is not supported there (shards may be URLs)"
             )
+
+
+def check_unused_validation_loader(config: TitanJobConfig) -> None:
+    """Validation reads its windows in the training process (data/loader.py ValidationLoader): a
+    `[validation.dataloader]` setting would change nothing, so it is refused rather than ignored."""
+    default = type(config.validation.dataloader)()
+    changed = [f"{f.name} = {getattr(config.validation.dataloader, f.name)!r}"
+               for f in fields(default)
+               if getattr(config.validation.dataloader, f.name) != getattr(default, f.name)]  # fmt: skip
+    if changed:
+        raise ValueError(
+            f"[validation.dataloader] {', '.join(changed)}: validation reads its windows in the training process, "
+            "without loader workers; remove the setting ([training.dataloader] sets the training loader's)"
+        )
 
 
 def check_spikes(spikes: Spikes) -> None:

@@ -90,3 +90,8 @@ def test_a_url_as_the_run_folder_is_refused_not_made_a_local_folder(key, tmp_pat
     with pytest.raises(ValueError, match=r"= 's3://bucket/run' is a URL: the run folder .* must be a local"):
         _parse("tiny_cpu.toml", key, "s3://bucket/run")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_validation_loader_setting_that_would_change_nothing_is_refused():
+    with pytest.raises(ValueError, match=r"^\[validation.dataloader\] num_workers = 2: validation reads its windows"):
+        _parse("tiny_cpu.toml", "--validation.dataloader.num_workers", "2")

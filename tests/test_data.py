@@ -16,6 +16,7 @@ from conftest import REPO
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
+from data import loader as data_loader
 from data.config import DataConfig
 from data.loader import Encoder, ParquetDataLoader, ValidationLoader
 from data.shards import BadShardError, held_out, list_shards, read_row_group, shard_info
@@ -141,14 +142,28 @@ def test_resume_at_random_cut_points_is_exact(corpus, workers):
         assert torch.equal(a["input"], b["input"]) and torch.equal(la, lb), f"batch {k} (cut {cut})"
 
 
-def test_state_and_stream_do_not_depend_on_loader_workers(corpus):
+@pytest.mark.parametrize("settings", [{}, {"prefetch_factor": 4, "persistent_workers": True}])
+def test_state_and_stream_do_not_depend_on_loader_workers(corpus, settings, monkeypatch):
+    """Nor on torchtitan's other [training.dataloader] settings, which reach torch's DataLoader."""
     folder, _ = corpus
     cfg = cfg_for(folder)
-    plain, with_workers = loader(cfg, 0), loader(cfg, 0, workers=2)
+    plain = loader(cfg, 0)
+    with_workers = ParquetDataLoader(cfg, list_shards(cfg.paths), ENCODE, SEQ, BATCH, 0, 2, 2, workers=settings)
     a, _ = take(plain, 9)
+    given, torch_loader = {}, data_loader.DataLoader
+    monkeypatch.setattr(data_loader, "DataLoader", lambda *a, **kw: given.update(kw) or torch_loader(*a, **kw))
     b, _ = take(with_workers, 9)
+    assert given["prefetch_factor"] == settings.get("prefetch_factor", 2) and given["num_workers"] == 2
+    assert given["persistent_workers"] == settings.get("persistent_workers", False)
     assert all(torch.equal(x[0]["input"], y[0]["input"]) for x, y in zip(a, b, strict=True))
     assert plain.state_dict() == with_workers.state_dict()
+
+
+@pytest.mark.parametrize("settings", [{"prefetch_factor": 4}, {"persistent_workers": True}])
+def test_worker_settings_without_workers_are_refused_by_name(corpus, settings):
+    with pytest.raises(ValueError, match=r"^\[training.dataloader\] prefetch_factor and persistent_workers act on"):
+        ParquetDataLoader(cfg_for(corpus[0]), list_shards(cfg_for(corpus[0]).paths), ENCODE, SEQ, BATCH, 0, 2,
+                          workers=settings)  # fmt: skip
 
 
 def test_resume_on_four_ranks_after_two_keeps_every_streams_order(corpus):
