@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import posixpath
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -433,12 +434,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=FOOTER_THREADS, help="footers read at once")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    shards = list_shards(args.shards)
+    for name in ("botocore", "aiobotocore"):  # not a line per credential lookup
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        shards = list_shards(args.shards)
+    except (ValueError, OSError) as e:  # nothing there, an unfinished folder, a store that fails: one line
+        sys.exit(f"python -m data.index: {e}")
     groups: dict[str, list[str]] = {}
     for shard in shards:
         groups.setdefault(args.out or posixpath.join(posixpath.dirname(shard), INDEX_NAME), []).append(shard)
     for out, members in groups.items():
-        written = write_index(members, out, args.threads)
+        try:
+            written = write_index(members, out, args.threads)
+        except (ValueError, OSError) as e:  # a shard outside --out's folder, a store that fails
+            sys.exit(f"python -m data.index: {e}")
         groups_written = sum(len(entry.get("row_groups", [])) for entry in written["shards"])
         print(f"{out}: {len(members)} shards, {groups_written} row groups")
         for entry in (entry for entry in written["shards"] if "error" in entry):

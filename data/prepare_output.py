@@ -7,7 +7,8 @@ to the same prefix is refused), uploads each shard as it closes (local disk hold
 that holds the marker (data/shards.py), so no job trains on part of a corpus. `--overwrite` deletes the
 earlier output, summary first, before writing the new one: object storage cannot swap them in one step.
 A run that fails deletes what it wrote and its marker; a killed one leaves the marker, which names its
-process and host, and the next `--overwrite` run from that host removes the leftovers.
+process and host, and the next `--overwrite` run from that host removes the leftovers. The marker protocol
+is data/atomic.py's RemoteFolder, which HF exports share.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def check_out_dir(out: Path, overwrite: bool, inputs: list[str]) -> None:
 def check_entries(out: str, entries: list[str], overwrite: bool) -> None:
     if entries and not overwrite:
         raise PrepareError(f"{out}: not empty ({len(entries)} entries, e.g. {entries[0]}); pass --overwrite to replace")
-    foreign = [name for name in entries if not OURS.fullmatch(name) and name != PREPARING]
+    foreign = [name for name in entries if not OURS.fullmatch(name)]  # a remote marker: RemoteFolder.check
     if foreign:
         raise PrepareError(
             f"{out}: holds files data.prepare does not write ({', '.join(foreign[:5])}); refusing to replace it"
