@@ -106,6 +106,10 @@ class SlowFileSystem(MemoryFileSystem):
         self.request()
         return super().info(path, **kwargs)
 
+    def cat_file(self, path, start=None, end=None, **kwargs):  # one GET, as on S3 (an open is a HEAD, then GETs)
+        self.request()
+        return super().cat_file(path, start=start, end=end, **kwargs)
+
     def _open(self, path, mode="rb", **kwargs):
         if mode != "rb":
             return super()._open(path, mode, **kwargs)

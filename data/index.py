@@ -28,7 +28,6 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from functools import partial
 from typing import Any, Protocol
 
 import fsspec
@@ -165,16 +164,11 @@ def _check_entry(where: str, entry: object) -> None:
         raise BadIndexError(f"{where}.columns: {columns!r} is not a list of [name, type] string pairs")
 
 
-def _load_json(path: str) -> Any:
-    fs, bare = filesystem(path)
-    with fs.open(bare, "r", encoding="utf-8") as f:
-        return json.load(f)
-
-
 def read_index(path: str) -> dict[str, Any]:
     """An index file, checked key by key; anything malformed is a BadIndexError naming the file and key."""
     try:
-        index = read_from_store(path, "reading the shard index", partial(_load_json, path))
+        fs, bare = filesystem(path)
+        index = read_from_store(path, "reading the shard index", lambda: json.loads(fs.cat_file(bare)))
     except StoreError:
         raise
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -433,25 +427,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--threads", type=int, default=FOOTER_THREADS, help="footers read at once")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for name in ("botocore", "aiobotocore"):  # not a line per credential lookup
-        logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        shards = list_shards(args.shards)
-    except (ValueError, OSError) as e:  # nothing there, an unfinished folder, a store that fails: one line
-        sys.exit(f"python -m data.index: {e}")
-    groups: dict[str, list[str]] = {}
-    for shard in shards:
-        groups.setdefault(args.out or posixpath.join(posixpath.dirname(shard), INDEX_NAME), []).append(shard)
-    for out, members in groups.items():
-        try:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("data").setLevel(logging.INFO)  # ours, not botocore's line per credential lookup
+    try:  # bad input (nothing there, an unfinished folder, a shard outside --out, a failing store): one line
+        groups: dict[str, list[str]] = {}
+        for shard in list_shards(args.shards):
+            groups.setdefault(args.out or posixpath.join(posixpath.dirname(shard), INDEX_NAME), []).append(shard)
+        for out, members in groups.items():
             written = write_index(members, out, args.threads)
-        except (ValueError, OSError) as e:  # a shard outside --out's folder, a store that fails
-            sys.exit(f"python -m data.index: {e}")
-        groups_written = sum(len(entry.get("row_groups", [])) for entry in written["shards"])
-        print(f"{out}: {len(members)} shards, {groups_written} row groups")
-        for entry in (entry for entry in written["shards"] if "error" in entry):
-            print(f"  unreadable (the loader stops or skips it, per on_bad_shard): {entry['path']}: {entry['error']}")
+            groups_written = sum(len(entry.get("row_groups", [])) for entry in written["shards"])
+            print(f"{out}: {len(members)} shards, {groups_written} row groups")
+            for entry in (entry for entry in written["shards"] if "error" in entry):
+                print(f"  unreadable (stopped or skipped, per on_bad_shard): {entry['path']}: {entry['error']}")
+    except (ValueError, OSError) as e:
+        sys.exit(f"python -m data.index: {e}")
 
 
 if __name__ == "__main__":
