@@ -7,6 +7,7 @@ command line names another module, so every job has these sections.
 import importlib.util
 from dataclasses import dataclass, field, fields
 
+import fsspec
 from torchtitan.config import ConfigManager
 from torchtitan.config import JobConfig as TitanJobConfig
 
@@ -173,16 +174,24 @@ def parse_config(argv: list[str]) -> TitanJobConfig:
 
 
 def check_local_folders(config: TitanJobConfig) -> None:
-    """A URL as the run folder would become a local folder named `s3:` (os.makedirs does not know URLs): refused."""
-    for key, value in (
-        ("[job] dump_folder", config.job.dump_folder),
-        ("[checkpoint] folder", config.checkpoint.folder),
-    ):
-        if "://" in value:
+    """The run folder must be a file system path (os.makedirs would make a folder named `s3:`); checkpoints may be
+    kept on a store (components/remote_checkpoints.py), whose fsspec backend must be installed."""
+    if "://" in config.job.dump_folder:
+        raise ValueError(
+            f"[job] dump_folder = {config.job.dump_folder!r} is a URL: the run folder (the run lock, logs, records, "
+            "each checkpoint as it is written) must be a local or shared file system path; keep the checkpoints on "
+            "the store with [checkpoint] folder = 's3://...'"
+        )
+    folder = config.checkpoint.folder
+    if "://" in folder:
+        protocol = folder.split("://", 1)[0]
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ImportError, ValueError) as e:
             raise ValueError(
-                f"{key} = {value!r} is a URL: the run folder (checkpoints, the run lock, logs, records) must be a "
-                "local or shared file system path; object storage is not supported there (shards may be URLs)"
-            )
+                f"[checkpoint] folder = {folder!r}: no filesystem for {protocol}:// ({e}); "
+                "for S3: pip install -e '.[s3]'"
+            ) from None
 
 
 def check_unused_validation_loader(config: TitanJobConfig) -> None:

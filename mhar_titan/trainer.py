@@ -55,7 +55,7 @@ class CPTTrainer(RunFolder, Trainer):
             super().__init__(job_config)
             self._set_up(job_config)
             ckpt = self.checkpointer  # the run checked before anything of it is touched
-            steps, folder, needed = complete_steps(ckpt.folder), ckpt.folder, ckpt.expected_bytes
+            steps, folder, needed = ckpt.all_steps(), ckpt.folder, ckpt.expected_bytes
             self.changes = run_checks.check_resume(job_config, self.fingerprint, steps, folder, needed)
         except BaseException:
             if hasattr(self, "metrics_processor"):

@@ -15,9 +15,9 @@ from conftest import REPO
 from s3_server import s3_server
 from test_data import ENCODE
 
-from benchmarks import bench_data
+from benchmarks import bench_checkpoint_s3, bench_data
 from benchmarks.s3_proxy import S3Proxy
-from benchmarks.s3_store import upload
+from benchmarks.s3_store import environment, upload
 from data.config import DataConfig
 from data.loader import ParquetDataLoader, source_infos
 from data.shards import list_shards
@@ -83,3 +83,11 @@ def test_bench_startup_on_s3_reads_the_index_or_every_footer():
     for ms in ("0", "5"):  # the index: a listing and one file; without it, a read of every footer
         assert table[ms, "_index.json"] < 10 and table[ms, "none"] >= 64
     assert "every start-up found the same 64 shards, row groups and footer digests" in out
+
+
+def test_bench_checkpoint_s3_puts_a_step_there_complete_and_copies_the_same_bytes_down(capsys, monkeypatch):
+    for key in environment("http://unused"):  # the benchmark points this process at its server: restored after
+        monkeypatch.delenv(key, raising=False)
+    bench_checkpoint_s3.main(["--gib", "0.002", "--files", "2", "--repeat", "1"])  # fails itself on a differing copy
+    table = rows(capsys.readouterr().out)[1:]
+    assert [r[0] for r in table] == ["1"] and all(float(r[1]) > 0 and float(r[3]) > 0 for r in table)

@@ -84,12 +84,14 @@ def test_pair_configs_differ_only_in_mhar_and_run_names(pair):
     parsed.validate(4096, 32)  # the 8B geometry takes the MHAR arm's settings
 
 
-@pytest.mark.parametrize("key", ["--job.dump_folder", "--checkpoint.folder"])
-def test_a_url_as_the_run_folder_is_refused_not_made_a_local_folder(key, tmp_path, monkeypatch):
+def test_a_url_as_the_run_folder_is_refused_not_made_a_local_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # where os.makedirs would have made `s3:/bucket/run`
     with pytest.raises(ValueError, match=r"= 's3://bucket/run' is a URL: the run folder .* must be a local"):
-        _parse("tiny_cpu.toml", key, "s3://bucket/run")
+        _parse("tiny_cpu.toml", "--job.dump_folder", "s3://bucket/run")
+    with pytest.raises(ValueError, match=r"^\[checkpoint\] folder = 'nosuch://bucket/run': no filesystem for nosuch"):
+        _parse("tiny_cpu.toml", "--checkpoint.folder", "nosuch://bucket/run")
     assert not list(tmp_path.iterdir())
+    assert _parse("tiny_cpu.toml", "--checkpoint.folder", "s3://bucket/run").checkpoint.folder == "s3://bucket/run"
 
 
 def test_a_validation_loader_setting_that_would_change_nothing_is_refused():

@@ -18,6 +18,7 @@ not as a collective hang) and rank 0 prints and writes to <dump_folder>/load_led
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import re
@@ -37,9 +38,11 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection
 
 from data.collectives import gather_objects
+from data.index import share_from_rank0
 from mhar_titan.components import save_hold, sealed_save
 from mhar_titan.components.checksums import verify_share, without_torch_crc32
 from mhar_titan.components.dcp_io import ParallelFileSystemReader, PinnedStaging
+from mhar_titan.components.remote_checkpoints import LOCAL_FOLDER, RemoteCheckpoints, is_url
 from mhar_titan.components.run_checks import save_failure
 from mhar_titan.components.sealed_save import ReusedStager, SealedBackgroundWriter, SealedStreamingWriter
 from mhar_titan.model.state_dict_adapter import OUR_ROUTING
@@ -130,9 +133,13 @@ def complete_steps(folder: str) -> list[int]:
 
 
 class CPTCheckpointManager(CheckpointManager):
+    remote: RemoteCheckpoints | None = None  # the store's copy, with [checkpoint] folder a URL
+
     def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
         cfg = kwargs["checkpoint_config"]
+        url = cfg.folder if is_url(cfg.folder) else ""  # kept on a store, written first in the run folder
+        cfg = kwargs["checkpoint_config"] = dataclasses.replace(cfg, folder=LOCAL_FOLDER) if url else cfg
+        super().__init__(*args, **kwargs)
         self.keep_every = getattr(cfg, "keep_every", 0)
         self.pinned_staging = PinnedStaging()  # the synchronous saves', kept from save to save
         self.pending: str | None = None  # the checkpoint a background save is writing
@@ -150,6 +157,31 @@ class CPTCheckpointManager(CheckpointManager):
             self.initial_load_in_hf_quantized = cfg.initial_load_in_hf_quantized
             self.initial_load_model_only = cfg.initial_load_model_only
             self.exclude_from_loading = cfg.exclude_from_loading
+        run_dir = kwargs.get("base_folder", "")
+        self.remote = RemoteCheckpoints(url, self.folder, run_dir) if url and self.enable else None
+        self.remote_steps: list[int] = []  # complete on the store, as found at start-up
+
+    def all_steps(self) -> list[int]:
+        """The run's complete checkpoints, in its folder and (kept on a store) there, the store's prefix checked
+        and claimed for this run first (components/remote_checkpoints.py); a collective."""
+        local = complete_steps(self.folder)
+        if self.remote is None:
+            return local
+        self.remote_steps = share_from_rank0(lambda: {"steps": self.remote.attach()})["steps"]
+        return sorted(set(local) | set(self.remote_steps))
+
+    def retained(self, complete: list[int]) -> set[int]:
+        """The complete steps retention keeps: the last keep_latest_k (all if <= 0), every keep_every-th, and
+        kept_steps (the checkpoint before a spike)."""
+        keep = set(complete[-self.keep_latest_k :] if self.keep_latest_k > 0 else complete)
+        if self.keep_every > 0:
+            keep |= {s for s in complete if s % self.keep_every == 0}
+        return keep | self.kept_steps
+
+    def _upload(self, checkpoint_id: str, saved: Any = None) -> None:
+        """A saved step's copy to the store, in the background (nothing without one)."""
+        if self.remote is not None and (m := _STEP_FOLDER.fullmatch(os.path.basename(checkpoint_id))):
+            self.remote.upload(int(m[1]), *_rank_world(), self.retained, saved)
 
     def load(self, step: int = -1) -> bool:
         """The run's latest complete checkpoint, verified; if damaged or unreadable, the one before it
@@ -160,15 +192,20 @@ class CPTCheckpointManager(CheckpointManager):
             if not self.enable:
                 raise ValueError(f"checkpoint.load_step = {step} needs checkpoint.enable = true")
             checkpoint_id = self._create_checkpoint_id(step)
+            if step in self.remote_steps and step not in complete_steps(self.folder):
+                share_from_rank0(lambda: self.remote.fetch(step) or {})
             if os.path.isfile(os.path.join(checkpoint_id, _COMPLETE)):
                 verify_checkpoint(checkpoint_id)
             loaded = super().load(step)
             logger.info(f"The run resumes from its checkpoint {checkpoint_id} (step {step})")
             return loaded
-        candidates = complete_steps(self.folder)[::-1] if self.enable else []
+        local = complete_steps(self.folder) if self.enable else []
+        candidates = sorted(set(local) | set(self.remote_steps))[::-1]
         for i, candidate in enumerate(candidates):
             checkpoint_id = self._create_checkpoint_id(candidate)
             error: BaseException | None = None
+            if candidate not in local:  # on the store alone: copied into the run folder first
+                share_from_rank0(lambda: self.remote.fetch(candidate) or {})  # noqa: B023  called at once
             try:
                 if os.path.isfile(os.path.join(checkpoint_id, _COMPLETE)):
                     verify_checkpoint(checkpoint_id)
@@ -180,6 +217,8 @@ class CPTCheckpointManager(CheckpointManager):
             failures = gather_objects(None if error is None else _cause(error))
             if not any(failures):
                 logger.info(f"The run resumes from its checkpoint {checkpoint_id} (step {candidate})")
+                if self.remote is not None and candidate not in self.remote_steps:
+                    self._upload(checkpoint_id)  # written before a failed or cut upload: put there now
                 return True
             cause = next(f for f in failures if f)
             if i + 1 == len(candidates):
@@ -224,10 +263,7 @@ class CPTCheckpointManager(CheckpointManager):
         if self.keep_latest_k <= 0 or dist.get_rank() != 0 or not os.path.isdir(self.folder):
             return
         complete = complete_steps(self.folder)
-        keep = set(complete[-self.keep_latest_k :])
-        if self.keep_every > 0:
-            keep |= {s for s in complete if s % self.keep_every == 0}
-        keep |= self.kept_steps
+        keep = self.retained(complete) | (self.remote.in_flight if self.remote is not None else set())
         newest = complete[-1] if complete else -1
         present = [int(m[1]) for name in os.listdir(self.folder) if (m := _STEP_FOLDER.fullmatch(name))]
         # complete ones beyond the policy, and unfinished writes older than the newest complete one
@@ -287,6 +323,7 @@ class CPTCheckpointManager(CheckpointManager):
                     writer = SealedStreamingWriter(checkpoint_id, self.pinned_staging)
                     ret = dcp.save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id)
                 logger.info(f"{checkpoint_id}: written and checksummed in {time.perf_counter() - began:.1f} s")
+                self._upload(checkpoint_id)
                 if enable_garbage_collection:
                     GarbageCollection.collect("GC collection invoked by checkpointer.")
         except (Exception, CheckpointException) as e:  # a full disk reads "unexpected pos" there: say it
@@ -317,6 +354,7 @@ class CPTCheckpointManager(CheckpointManager):
                 async_stager=self.stager,
             )
         self.pending = checkpoint_id
+        self._upload(checkpoint_id, getattr(ret, "upload_completion", ret))
         save_hold.after_launch(checkpoint_id)  # a test's preemption; nothing otherwise
         return ret
 
@@ -351,15 +389,22 @@ class CPTCheckpointManager(CheckpointManager):
             except (Exception, CheckpointException) as e:
                 failure = e
             self.save_future = None
+        remote = getattr(self, "remote", None)
+        upload = remote.finish() if remote is not None else None  # the last upload, after the save it copies
         super().close()
+        ending_well = sys.exc_info()[1] is None  # the job fails now; else its own error stands
         if failure is not None:
             pending = getattr(self, "pending", None)
             logger.error(
                 f"the background save of {pending} failed ({_cause(failure)}): it is not complete and will not be "
                 "loaded; the run resumes from the checkpoint before it"
             )
-            if sys.exc_info()[1] is None:  # the job was ending well: it fails now; else its own error stands
+            if ending_well:
                 raise failure
+        if upload is not None:
+            logger.error(f"{upload}: the store lacks the run's last checkpoint (the run folder has it)")
+            if ending_well:
+                raise RuntimeError(upload)
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         """Forked from torchtitan 0.2.2 torchtitan/components/checkpoint.py, CheckpointManager.dcp_load: the

@@ -1,0 +1,299 @@
+"""Checkpoints kept in object storage: `[checkpoint] folder = "s3://bucket/runs/control"`.
+
+Each checkpoint is written and sealed in the run folder as any other (`<dump_folder>/checkpoint/step-N`: DCP's
+files, every rank's checksums, `.metadata` last; components/sealed_save.py), so a save holds the loop no longer
+than on disk. It is then copied to the store in the background. A bucket has no rename, so the copy keeps the
+disk's rule the object-store way:
+
+- every rank puts its share of the step's files (all but `.metadata`), each checked by size, and says so in the
+  job's key-value store; rank 0 waits for every rank, puts the run's records beside the steps, then `.metadata`
+  last. A step there is complete once it holds `.metadata`, as on disk: a job killed or a store failing midway
+  leaves a step without it, which is never loaded and which retention removes later;
+- retention there follows the run's policy (keep_latest_k, keep_every, the checkpoint before a spike), deleting
+  a step's `.metadata` first;
+- one upload at a time, in the order of the saves, none holding the training loop; the job's end waits for the
+  last, and fails if the last failed.
+
+A relaunch whose run folder lacks a checkpoint the store has (a lost node, a fresh one) copies it into the run
+folder before loading it (rank 0; its checksums are verified before the load as any checkpoint's), and the run's
+records with it when the run folder has none, so the fingerprint checks the job before anything is loaded.
+
+`_RUN.json` claims the prefix for one run (created by a conditional write); the run folder keeps the run's id in
+`remote.json`. A prefix holding another run, or anything that is not a run's, is refused at start-up in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torchtitan.tools.logging import logger
+
+from data.atomic import clean_stale, sibling, write_text
+from data.store import StoreError, filesystem
+
+CLAIM = "_RUN.json"
+LOCAL_RECORD = "remote.json"
+LOCAL_FOLDER = "checkpoint"  # where each checkpoint is written first, in the run folder (torchtitan's default name)
+METADATA = ".metadata"  # the last file of a complete checkpoint, on disk and on the store
+FINGERPRINT = "fingerprint.json"  # components/fingerprint.FILE, the record a relaunch is checked against
+RUN_FILES = (FINGERPRINT, "model_args.json", "config.resolved.toml", "environment.json", "starts.jsonl",
+             "spikes.jsonl", "load_ledger.json")  # fmt: skip
+WAIT_S = 3600.0  # rank 0 waiting for the other ranks' shares of one step
+_POLL_S = 0.1
+_STEP = re.compile(r"step-(\d+)")
+FAIL_ENV = "MHAR_TEST_FAIL_UPLOAD"  # test only: `STEP:RANK` makes that rank's upload of that step fail
+
+
+def is_url(folder: str) -> bool:
+    return "://" in folder
+
+
+def _test_failure(step: int, rank: int) -> None:
+    if os.environ.get(FAIL_ENV, "") == f"{step}:{rank}":
+        raise OSError(f"the store refused the upload ({FAIL_ENV}, a test)")
+
+
+def _files(folder: str) -> list[str]:
+    """Every file below `folder`, relative, sorted."""
+    out = []
+    for parent, _, names in os.walk(folder):
+        out += [os.path.relpath(os.path.join(parent, n), folder) for n in names]
+    return sorted(out)
+
+
+def _store(world: int) -> Any:
+    """The job's key-value store (torchrun's), through which ranks say their share is up; None alone."""
+    if world == 1 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+class RemoteCheckpoints:
+    """The store's copy of a run's checkpoints: `attach` at start-up (rank 0), `fetch` a step the run folder lacks
+    (rank 0), `upload` each saved step (every rank), `finish` at the job's end (every rank)."""
+
+    def __init__(self, url: str, local_folder: str, run_dir: str):
+        self.url = url.rstrip("/")
+        self.local, self.run_dir = local_folder, run_dir
+        self.fs, self.root = filesystem(self.url)
+        self.in_flight: set[int] = set()  # steps being uploaded: local retention leaves them
+        self.failure: str | None = None  # the last upload's failure
+        self._last: threading.Thread | None = None
+        self._sequence = 0  # uploads asked for by this job, the same on every rank
+
+    def _path(self, *names: str) -> str:
+        return "/".join([self.root, *names])
+
+    def _names(self) -> list[str]:
+        try:
+            return sorted(os.path.basename(p.rstrip("/")) for p in self.fs.ls(self.root, refresh=True))
+        except FileNotFoundError:
+            return []
+        except Exception as e:  # noqa: BLE001  the store's first answer: a missing bucket, no credentials
+            raise StoreError(f"{self.url}: cannot list it ({type(e).__name__}: {e})") from e
+
+    # -- start-up, on rank 0 --------------------------------------------------------------------
+
+    def attach(self) -> list[int]:
+        """The store's complete steps, after checking that its prefix holds this run (or nothing, then claimed for
+        it); the run's records copied into a run folder that has none. Raises ValueError naming what differs."""
+        names = self._names()
+        record_path = os.path.join(self.run_dir, LOCAL_RECORD)
+        mine = _read_json(record_path) if os.path.isfile(record_path) else {}
+        same_url = mine.get("url") == self.url
+        if CLAIM in names:
+            try:
+                claim = json.loads(self.fs.cat_file(self._path(CLAIM)))
+                claim["run_id"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{self.url}/{CLAIM}: not a run's claim ({type(e).__name__}: {e})") from e
+            if same_url and mine.get("run_id") != claim["run_id"]:
+                raise ValueError(
+                    f"{self.url} holds the checkpoints of another run ({_who(claim)}) than the run "
+                    f"in {self.run_dir} (run {mine.get('run_id')}): use another [checkpoint] folder"
+                )
+            own_run = os.path.isfile(os.path.join(self.run_dir, FINGERPRINT)) or _local_steps(self.local)
+            if not same_url and own_run:
+                raise ValueError(f"{self.url} holds the checkpoints of a run ({_who(claim)}), and {self.run_dir} "
+                                 "holds a run of its own: use another [checkpoint] folder, or an empty dump_folder "
+                                 "to resume the run kept there")  # fmt: skip
+            run_id = claim["run_id"]
+        elif names:
+            listed = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+            raise ValueError(f"{self.url} holds {listed} but no {CLAIM}: not a run's checkpoints; use an empty "
+                             "prefix for [checkpoint] folder")  # fmt: skip
+        else:
+            run_id = mine["run_id"] if same_url else uuid.uuid4().hex
+            self._claim(run_id)
+        os.makedirs(self.run_dir, exist_ok=True)
+        write_text(record_path, json.dumps({"url": self.url, "run_id": run_id}, indent=1))
+        steps = self.complete_steps()
+        if steps and not os.path.isfile(os.path.join(self.run_dir, FINGERPRINT)):
+            copied = self._fetch_records()
+            logger.info(f"{self.url}: the run's records ({', '.join(copied)}) copied into {self.run_dir}")
+        return steps
+
+    def _claim(self, run_id: str) -> None:
+        claim = {"run_id": run_id, "host": socket.gethostname(), "dump_folder": os.path.abspath(self.run_dir),
+                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+        try:
+            with self.fs.open(self._path(CLAIM), "xb") as f:
+                f.write(json.dumps(claim, indent=1).encode())
+        except FileExistsError as e:
+            raise ValueError(f"{self.url}: another run claimed it just now") from e
+        except Exception as e:  # noqa: BLE001  botocore's own types: a missing bucket, no credentials, no answer
+            raise StoreError(f"{self.url}: cannot create {CLAIM} there ({type(e).__name__}: {e})") from e
+
+    def _fetch_records(self) -> list[str]:
+        present = set(self._names())
+        copied = [name for name in RUN_FILES if name in present]
+        for name in copied:
+            write_text(os.path.join(self.run_dir, name), self.fs.cat_file(self._path(name)).decode())
+        return copied
+
+    def complete_steps(self) -> list[int]:
+        """Steps whose `.metadata` is on the store, ascending."""
+        found = self.fs.glob(self._path("step-*", METADATA))
+        return sorted(int(m[1]) for p in found if (m := _STEP.fullmatch(p.rstrip("/").split("/")[-2])))
+
+    def fetch(self, step: int) -> None:
+        """Copy a complete step into the run folder (a sibling renamed into place once whole); rank 0."""
+        target = os.path.join(self.local, f"step-{step}")
+        clean_stale(target, ("download",), "a copy from the store of", logger.info)
+        partial = sibling(target, "download")
+        remote = self._path(f"step-{step}")
+        began = time.perf_counter()
+        objects = sorted(self.fs.find(remote))
+        relative = [p[len(remote) + 1 :] for p in objects]
+        paths = [os.path.join(partial, r) for r in relative]
+        for p in paths:
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+        self.fs.get(objects, paths)
+        for r, p in zip(relative, paths, strict=True):
+            if os.path.getsize(p) != self.fs.info(f"{remote}/{r}")["size"]:
+                raise OSError(f"{self.url}/step-{step}/{r}: copied {os.path.getsize(p)} bytes, the store has more")
+        shutil.rmtree(target, ignore_errors=True)  # an unfinished local write of this step, if any
+        os.rename(partial, target)
+        size = sum(os.path.getsize(p) for p in _files_abs(target))
+        logger.info(f"{self.url}/step-{step}: copied into {target} ({size / 1e9:.2f} GB in "
+                    f"{time.perf_counter() - began:.1f} s)")  # fmt: skip
+
+    # -- every rank --------------------------------------------------------------------------------
+
+    def upload(self, step: int, rank: int, world: int, keep: Callable[[list[int]], set[int]], saved: Any = None
+               ) -> None:  # fmt: skip
+        """Put this rank's share of `step` on the store in the background, after the uploads asked for before it
+        and (a background save) once `saved`, the save's future, is done. `keep`: the retention policy."""
+        self._sequence += 1
+        self.in_flight.add(step)
+        args = (step, rank, world, keep, saved, self._last, self._sequence)
+        self._last = threading.Thread(target=self._run, args=args, name=f"upload-step-{step}", daemon=True)
+        self._last.start()
+
+    def _run(self, step: int, rank: int, world: int, keep: Callable, saved: Any, before: Any, n: int) -> None:
+        if before is not None:
+            before.join()
+        try:
+            if saved is not None:
+                saved.result()
+        except BaseException:  # noqa: BLE001  the save failed, which the checkpoint manager reports: nothing to put
+            self.in_flight.discard(step)
+            return
+        began, store, key = time.perf_counter(), _store(world), f"mhar_titan/upload/{n}"
+        folder = os.path.join(self.local, f"step-{step}")
+        try:
+            _test_failure(step, rank)
+            self._put(folder, f"step-{step}", [f for f in _files(folder) if f != METADATA][rank::world])
+            if rank != 0:
+                store.add(f"{key}/done", 1)
+            else:
+                self._wait_for_ranks(store, key, world)
+                self._put(self.run_dir, "", [f for f in RUN_FILES if os.path.isfile(os.path.join(self.run_dir, f))])
+                self._put(folder, f"step-{step}", [METADATA])
+                self.purge(keep)
+                logger.info(f"{self.url}/step-{step}: complete on the store ({time.perf_counter() - began:.1f} s)")
+            self.failure = None
+        except Exception as e:  # noqa: BLE001  any failure: said here, raised at the job's end if it was the last
+            cause = f"the upload failed on rank {rank} ({type(e).__name__}: {e})"
+            self.failure = str(e) if isinstance(e, _OtherRank) else f"{self.url}/step-{step}: {cause}"
+            logger.error(f"{self.failure}; the checkpoint stays complete in {folder}")
+            if store is not None and rank != 0:
+                store.set(f"{key}/failed", self.failure)
+                store.add(f"{key}/done", 1)
+        finally:
+            self.in_flight.discard(step)
+
+    def _put(self, folder: str, prefix: str, names: list[str]) -> None:
+        if not names:
+            return
+        remote = [self._path(prefix, n) if prefix else self._path(n) for n in names]
+        local = [os.path.join(folder, n) for n in names]
+        self.fs.put(local, remote)
+        for lp, rp in zip(local, remote, strict=True):
+            if (size := self.fs.info(rp)["size"]) != os.path.getsize(lp):
+                raise OSError(f"{rp}: {size} bytes on the store, {os.path.getsize(lp)} on disk")
+
+    def _wait_for_ranks(self, store: Any, key: str, world: int) -> None:
+        if store is None:
+            return
+        deadline = time.monotonic() + WAIT_S
+        while store.add(f"{key}/done", 0) < world - 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the other ranks' shares were not up after {WAIT_S:.0f} s")
+            time.sleep(_POLL_S)
+        if store.check([f"{key}/failed"]):
+            raise _OtherRank(store.get(f"{key}/failed").decode())
+
+    def purge(self, keep: Callable[[list[int]], set[int]]) -> None:
+        """Retention on the store (rank 0, after a step is complete there): complete steps beyond the policy, and
+        unfinished ones older than the newest complete; each step's `.metadata` deleted first."""
+        complete = self.complete_steps()
+        kept, newest = keep(complete), (complete[-1] if complete else -1)
+        present = [int(m[1]) for name in self._names() if (m := _STEP.fullmatch(name))]
+        for step in sorted(s for s in present if s not in kept and (s in complete or s < newest)):
+            if step in complete:
+                self.fs.rm_file(self._path(f"step-{step}", METADATA))
+            self.fs.rm(self._path(f"step-{step}"), recursive=True)
+            logger.info(f"{self.url}/step-{step}: removed (retention)")
+
+    def finish(self) -> str | None:
+        """At the job's end: wait for the last upload; its failure, if it failed."""
+        if self._last is not None and self._last.is_alive():
+            logger.info(f"waiting for the upload to {self.url} to finish")
+            self._last.join()
+        failure, self.failure = self.failure, None  # said once, however often the job's end is reached
+        return failure
+
+
+class _OtherRank(OSError):
+    """Another rank's upload of the step failed: its message."""
+
+
+def _who(claim: dict[str, Any]) -> str:
+    where = f"{claim.get('dump_folder')} on {claim.get('host')}"
+    return f"run {claim.get('run_id')}, begun {claim.get('created')} in {where}"
+
+
+def _local_steps(folder: str) -> bool:
+    return os.path.isdir(folder) and any(
+        _STEP.fullmatch(n) and os.path.isfile(os.path.join(folder, n, METADATA)) for n in os.listdir(folder)
+    )
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _files_abs(folder: str) -> list[str]:
+    return [os.path.join(folder, f) for f in _files(folder)]
