@@ -4,6 +4,7 @@ resumes from them bit for bit, a failed upload, and the prefixes a run refuses (
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from conftest import torchrun
 from s3_server import s3_server
 
+from benchmarks.s3_proxy import S3Proxy
 from mhar_titan.components.remote_checkpoints import CLAIM, FAIL_ENV, RemoteCheckpoints
 from mhar_titan.components.tensorboard_scalars import read_scalars
 from mhar_titan.hf.run import load_run_checkpoint
@@ -60,10 +62,18 @@ def test_checkpoints_on_s3_are_the_ones_on_disk_and_an_empty_run_folder_resumes_
         assert sorted(p.name for p in (second / "checkpoint").iterdir()) == ["step-6", "step-7"]
         assert RemoteCheckpoints(url, str(second / "checkpoint"), str(second)).complete_steps() == [6, 7]
         assert json.loads((second / "remote.json").read_text())["run_id"] == run_id
-        # --checkpoint.load_step: a step the run folder lacks comes from the store the same way.
+        # --checkpoint.load_step: a step the run folder lacks comes from the store the same way; a store that fails
+        # meanwhile (every GET of a shard dropped) stops the job at start-up in one line, leaving no partial copy.
         third = tmp_path / "node-c"
-        at_6 = ("--checkpoint.load_step", "6", "--training.steps", "6")
-        proc = torchrun(third, *ARGS, "--checkpoint.folder", url, *at_6)
+        at_6 = ("--checkpoint.load_step", "6", "--training.steps", "6", "--checkpoint.folder", url)
+        drop = lambda method, path: "drop" if method == "GET" and path.endswith(".distcp") else None  # noqa: E731
+        with S3Proxy(os.environ["AWS_ENDPOINT_URL"], fault=drop) as proxy:
+            proc = torchrun(third, *ARGS, *at_6, env={"AWS_ENDPOINT_URL": proxy.url}, check=False)
+        log = proc.stdout + proc.stderr
+        assert proc.returncode == 2 and "Traceback" not in log
+        assert f"StoreError: {url}/step-6: copying it into {third}/checkpoint/step-6 failed" in log, [x for x in log.splitlines() if "ERROR" in x]
+        assert [p.name for p in (third / "checkpoint").iterdir()] == []
+        proc = torchrun(third, *ARGS, *at_6)
         log = proc.stdout + proc.stderr
         assert f"{url}/step-6: copied into {third}/checkpoint/step-6" in log
         assert f"The run resumes from its checkpoint {third}/checkpoint/step-6 (step 6)" in log

@@ -170,6 +170,15 @@ class CPTCheckpointManager(CheckpointManager):
         self.remote_steps = share_from_rank0(lambda: {"steps": self.remote.attach()})["steps"]
         return sorted(set(local) | set(self.remote_steps))
 
+    def copy_down(self, load_step: int = -1) -> None:
+        """At start-up, once the run is checked: the step the load will take first (`load_step`, or the newest of the
+        run folder and the store), copied from the store if the run folder lacks it, so that a store failing here
+        stops the job before any work (a collective)."""
+        local = complete_steps(self.folder)
+        step = load_step if load_step != -1 else max(local + self.remote_steps, default=-1)
+        if self.remote is not None and step in self.remote_steps and step not in local:
+            share_from_rank0(lambda: self.remote.fetch(step) or {})
+
     def retained(self, complete: list[int]) -> set[int]:
         """The complete steps retention keeps: the last keep_latest_k (all if <= 0), every keep_every-th, and
         kept_steps (the checkpoint before a spike)."""
@@ -192,8 +201,7 @@ class CPTCheckpointManager(CheckpointManager):
             if not self.enable:
                 raise ValueError(f"checkpoint.load_step = {step} needs checkpoint.enable = true")
             checkpoint_id = self._create_checkpoint_id(step)
-            if step in self.remote_steps and step not in complete_steps(self.folder):
-                share_from_rank0(lambda: self.remote.fetch(step) or {})
+            self.copy_down(step)
             if os.path.isfile(os.path.join(checkpoint_id, _COMPLETE)):
                 verify_checkpoint(checkpoint_id)
             loaded = super().load(step)

@@ -167,12 +167,25 @@ class RemoteCheckpoints:
         return sorted(int(m[1]) for p in found if (m := _STEP.fullmatch(p.rstrip("/").split("/")[-2])))
 
     def fetch(self, step: int) -> None:
-        """Copy a complete step into the run folder (a sibling renamed into place once whole); rank 0."""
+        """Copy a complete step into the run folder (a sibling renamed into place once whole); rank 0. A failure is a
+        StoreError naming the step, with nothing left behind."""
         target = os.path.join(self.local, f"step-{step}")
         clean_stale(target, ("download",), "a copy from the store of", logger.info)
         partial = sibling(target, "download")
-        remote = self._path(f"step-{step}")
         began = time.perf_counter()
+        try:
+            self._copy_down(self._path(f"step-{step}"), partial)
+        except Exception as e:  # noqa: BLE001  the store's or the network's, in botocore's and aiohttp's own types
+            shutil.rmtree(partial, ignore_errors=True)
+            raise StoreError(f"{self.url}/step-{step}: copying it into {target} failed ({type(e).__name__}: "
+                             f"{str(e)[:300]}); nothing was loaded") from e  # fmt: skip
+        shutil.rmtree(target, ignore_errors=True)  # an unfinished local write of this step, if any
+        os.rename(partial, target)
+        size = sum(os.path.getsize(p) for p in _files_abs(target))
+        logger.info(f"{self.url}/step-{step}: copied into {target} ({size / 1e9:.2f} GB in "
+                    f"{time.perf_counter() - began:.1f} s)")  # fmt: skip
+
+    def _copy_down(self, remote: str, partial: str) -> None:
         objects = sorted(self.fs.find(remote))
         relative = [p[len(remote) + 1 :] for p in objects]
         paths = [os.path.join(partial, r) for r in relative]
@@ -180,13 +193,8 @@ class RemoteCheckpoints:
             os.makedirs(os.path.dirname(p), exist_ok=True)
         self.fs.get(objects, paths)
         for r, p in zip(relative, paths, strict=True):
-            if os.path.getsize(p) != self.fs.info(f"{remote}/{r}")["size"]:
-                raise OSError(f"{self.url}/step-{step}/{r}: copied {os.path.getsize(p)} bytes, the store has more")
-        shutil.rmtree(target, ignore_errors=True)  # an unfinished local write of this step, if any
-        os.rename(partial, target)
-        size = sum(os.path.getsize(p) for p in _files_abs(target))
-        logger.info(f"{self.url}/step-{step}: copied into {target} ({size / 1e9:.2f} GB in "
-                    f"{time.perf_counter() - began:.1f} s)")  # fmt: skip
+            if (size := self.fs.info(f"{remote}/{r}")["size"]) != os.path.getsize(p):
+                raise OSError(f"{r}: {os.path.getsize(p)} bytes copied, {size} on the store")
 
     # -- every rank --------------------------------------------------------------------------------
 
