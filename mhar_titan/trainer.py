@@ -57,6 +57,7 @@ class CPTTrainer(RunFolder, Trainer):
             ckpt = self.checkpointer  # the run checked before anything of it is touched
             steps, folder, needed = ckpt.all_steps(), ckpt.folder, ckpt.expected_bytes
             self.changes = run_checks.check_resume(job_config, self.fingerprint, steps, folder, needed)
+            ckpt.copy_down(job_config.checkpoint.load_step)  # a step kept only on the store, before any work
             ckpt.copy_down(job_config.checkpoint.load_step)  # a step kept only on the store
         except BaseException:
             if hasattr(self, "metrics_processor"):
@@ -90,11 +91,9 @@ class CPTTrainer(RunFolder, Trainer):
         self.dp_mesh = self.parallel_dims.get_mesh("batch") if self.parallel_dims.dp_enabled else None
         self.dp_group = None if self.dp_mesh is None else self.dp_mesh.get_group()
         self.dp_degree = 1 if self.dp_mesh is None else self.dp_mesh.size()
-        t = job_config.training
-        global_batch = t.local_batch_size * self.dp_degree * self.gradient_accumulation_steps
-        self.fingerprint = fingerprint.fingerprint(
-            job_config, self.model_args, self.dataloader.shards, global_batch, self.dataloader.contents()
-        )
+        batch = job_config.training.local_batch_size * self.dp_degree * self.gradient_accumulation_steps  # global
+        data = self.dataloader
+        self.fingerprint = fingerprint.fingerprint(job_config, self.model_args, data.shards, batch, data.contents())
         self.checkpointer.expected_bytes = run_checks.checkpoint_bytes(self.model_parts[0], ema.enable)
 
     # -- the loop -----------------------------------------------------------------------------
