@@ -21,6 +21,9 @@ ARGS = ("--training.steps", "7", "--checkpoint.interval", "2", "--checkpoint.kee
         "--validation.no-enable", "--lr_scheduler.total_steps", "12", "--lr_scheduler.warmup_steps", "2")  # fmt: skip
 
 
+ONE_RANK = ("--training.global_batch_size", "8")  # 2 ranks x 4 windows, as 2 microbatches on 1 rank
+
+
 def on_store(fs, url: str) -> dict[str, bytes]:
     """{path below url: its bytes}."""
     root = url.removeprefix("s3://")
@@ -65,15 +68,15 @@ def test_checkpoints_on_s3_are_the_ones_on_disk_and_an_empty_run_folder_resumes_
         # --checkpoint.load_step: a step the run folder lacks comes from the store the same way; a store that fails
         # meanwhile (every GET of a shard dropped) stops the job at start-up in one line, leaving no partial copy.
         third = tmp_path / "node-c"
-        at_6 = ("--checkpoint.load_step", "6", "--training.steps", "6", "--checkpoint.folder", url)
+        at_6 = ("--checkpoint.load_step", "6", "--training.steps", "6", "--checkpoint.folder", url, *ONE_RANK)
         drop = lambda method, path: "drop" if method == "GET" and path.endswith(".distcp") else None  # noqa: E731
         with S3Proxy(os.environ["AWS_ENDPOINT_URL"], fault=drop) as proxy:
-            proc = torchrun(third, *ARGS, *at_6, env={"AWS_ENDPOINT_URL": proxy.url}, check=False)
+            proc = torchrun(third, *ARGS, *at_6, nproc=1, env={"AWS_ENDPOINT_URL": proxy.url}, check=False)
         log = proc.stdout + proc.stderr
         assert proc.returncode == 2 and "Traceback" not in log
         assert f"StoreError: {url}/step-6: copying it into {third}/checkpoint/step-6 failed" in log
         assert [p.name for p in (third / "checkpoint").iterdir()] == []
-        proc = torchrun(third, *ARGS, *at_6)
+        proc = torchrun(third, *ARGS, *at_6, nproc=1)
         log = proc.stdout + proc.stderr
         assert f"{url}/step-6: copied into {third}/checkpoint/step-6" in log
         assert f"The run resumes from its checkpoint {third}/checkpoint/step-6 (step 6)" in log
@@ -102,7 +105,8 @@ def test_a_failed_last_upload_fails_the_job_and_the_relaunch_puts_it_there(tmp_p
         assert fs.exists("ckpt/failing/step-7") and not fs.exists("ckpt/failing/step-7/.metadata")
         assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-6", "step-7"]
 
-        proc = torchrun(run, *ARGS, "--checkpoint.folder", url)  # nothing left to train: step 7 goes up
+        # Nothing left to train: step 7 goes up, all of it from rank 0 on 1 rank (the same global batch).
+        proc = torchrun(run, *ARGS, "--checkpoint.folder", url, *ONE_RANK, nproc=1)
         assert f"{run}/checkpoint/step-7 (step 7)" in proc.stdout + proc.stderr
         assert store.complete_steps() == [6, 7]
         assert on_store(fs, url + "/step-7") == on_disk(run / "checkpoint" / "step-7")
