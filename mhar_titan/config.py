@@ -5,6 +5,7 @@ command line names another module, so every job has these sections.
 """
 
 import importlib.util
+import re
 from dataclasses import dataclass, field, fields
 
 import fsspec
@@ -176,6 +177,11 @@ def parse_config(argv: list[str]) -> TitanJobConfig:
 def check_local_folders(config: TitanJobConfig) -> None:
     """The run folder must be a file system path (os.makedirs would make a folder named `s3:`); checkpoints may be
     kept on a store (components/remote_checkpoints.py), whose fsspec backend must be installed."""
+    folders = (("[job] dump_folder", config.job.dump_folder), ("[checkpoint] folder", config.checkpoint.folder))
+    for key, value in folders:
+        if "://" not in value and re.match(r"[A-Za-z][A-Za-z0-9+.-]+:", value):  # `s3:/bucket`: a folder named `s3:`
+            raise ValueError(f"{key} = {value!r}: reads as a URL without its `://` (s3://bucket/...); a local path "
+                             "must not begin with `name:`")  # fmt: skip
     if "://" in config.job.dump_folder:
         raise ValueError(
             f"[job] dump_folder = {config.job.dump_folder!r} is a URL: the run folder (the run lock, logs, records, "

@@ -58,7 +58,6 @@ class CPTTrainer(RunFolder, Trainer):
             steps, folder, needed = ckpt.all_steps(), ckpt.folder, ckpt.expected_bytes
             self.changes = run_checks.check_resume(job_config, self.fingerprint, steps, folder, needed)
             ckpt.copy_down(job_config.checkpoint.load_step)  # a step kept only on the store, before any work
-            ckpt.copy_down(job_config.checkpoint.load_step)  # a step kept only on the store
         except BaseException:
             if hasattr(self, "metrics_processor"):
                 discard_tensorboard_run(self.metrics_processor)  # no stray tb/<timestamp> of a refused job

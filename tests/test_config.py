@@ -90,6 +90,9 @@ def test_a_url_as_the_run_folder_is_refused_not_made_a_local_folder(tmp_path, mo
         _parse("tiny_cpu.toml", "--job.dump_folder", "s3://bucket/run")
     with pytest.raises(ValueError, match=r"^\[checkpoint\] folder = 'nosuch://bucket/run': no filesystem for nosuch"):
         _parse("tiny_cpu.toml", "--checkpoint.folder", "nosuch://bucket/run")
+    for key in ("--job.dump_folder", "--checkpoint.folder"):  # a slash missing: not a local folder named `s3:`
+        with pytest.raises(ValueError, match=r"= 's3:/bucket/run': reads as a URL without its `://`"):
+            _parse("tiny_cpu.toml", key, "s3:/bucket/run")
     assert not list(tmp_path.iterdir())
     assert _parse("tiny_cpu.toml", "--checkpoint.folder", "s3://bucket/run").checkpoint.folder == "s3://bucket/run"
 

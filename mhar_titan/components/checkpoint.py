@@ -212,8 +212,7 @@ class CPTCheckpointManager(CheckpointManager):
         for i, candidate in enumerate(candidates):
             checkpoint_id = self._create_checkpoint_id(candidate)
             error: BaseException | None = None
-            if candidate not in local:  # on the store alone: copied into the run folder first
-                share_from_rank0(lambda: self.remote.fetch(candidate) or {})  # noqa: B023  called at once
+            self.copy_down(candidate)  # on the store alone (a fallback past the newest): copied into the run folder
             try:
                 if os.path.isfile(os.path.join(checkpoint_id, _COMPLETE)):
                     verify_checkpoint(checkpoint_id)
