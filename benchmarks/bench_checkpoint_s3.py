@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             copied = time.perf_counter() - began
             if digests(os.path.join(fresh, f"step-{STEP}")) != want:
                 raise SystemExit("the copy down differs from the step folder uploaded")
-            print(f"| {i + 1} | {up:.1f} | {size / up / 1e9:.2f} | {copied:.1f} | {size / copied / 1e9:.2f} |")
+            print(f"| {i + 1} | {up:.1f} | {size / up / 1e9:.3g} | {copied:.1f} | {size / copied / 1e9:.3g} |")
 
 
 if __name__ == "__main__":

@@ -90,4 +90,5 @@ def test_bench_checkpoint_s3_puts_a_step_there_complete_and_copies_the_same_byte
         monkeypatch.delenv(key, raising=False)
     bench_checkpoint_s3.main(["--gib", "0.002", "--files", "2", "--repeat", "1"])  # fails itself on a differing copy
     table = rows(capsys.readouterr().out)[1:]
-    assert [r[0] for r in table] == ["1"] and all(float(r[2]) > 0 and float(r[4]) > 0 for r in table)  # GB/s
+    # GB/s to 3 significant digits: positive however slow the machine (the seconds, to 0.1 s, may read 0.0)
+    assert [r[0] for r in table] == ["1"] and all(float(r[2]) > 0 and float(r[4]) > 0 for r in table)
