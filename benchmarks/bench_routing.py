@@ -7,7 +7,7 @@ makes it: site(sources) -> gate * R (the block adds its stream input inside its 
 body), parameters held by the site, sources in one list, marked with `routing_source`,
 outside any activation checkpoint (the model's AC wraps the blocks' bodies, not the routing).
 Rows, each one path of kernels.routing:
-- triton (the headline): the eager autograd.Function, the path the training step takes
+- triton (the headline): the eager autograd.Function over a block's sites, the path the training step takes
   (compiled or not): it keeps references to its inputs only, sums marked sources' gradients
   in place and serves up to 4 calls over the same sources with one mix pass;
 - triton_op: the custom op `torch.ops.mhar.route_fwd` (for graphs that compile the routing);
@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from benchmarks.routing_cases import (
     ARMS,
     DTYPE,
-    PAIRED,
+    GROUPED,
     SOURCE_BACKEND,
     UNWRAPPED,
     Microbatch,
@@ -54,27 +54,30 @@ def bench_microbatch(args, bw: float) -> list[dict]:
     fns = {name: fn for name, fn in route_fns(args.heads, 1e-5).items() if name in args.arms.split(",")}
     for name, fn in fns.items():
         reps = 3 if name == "eager" else args.reps
-        paired = name in PAIRED
+        grouping = GROUPED.get(name)
         backend, wrapped = SOURCE_BACKEND[name], name not in UNWRAPPED
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        fwd = timed(lambda fn=fn, p=paired: mb.forward(fn, paired=p), reps)
-        fwd_grad = timed(lambda fn=fn, p=paired, w=wrapped: mb.forward(fn, grad=True, paired=p, wrapped=w), reps)
+        fwd = timed(lambda fn=fn, g=grouping: mb.forward(fn, grouping=g), reps)
+        fwd_grad = timed(lambda fn=fn, g=grouping, w=wrapped: mb.forward(fn, grad=True, grouping=g, wrapped=w), reps)
         fwd_bwd = timed(
-            lambda fn=fn, b=backend, w=wrapped, p=paired: mb.forward_backward(fn, b, wrapped=w, paired=p), reps
+            lambda fn=fn, b=backend, w=wrapped, g=grouping: mb.forward_backward(fn, b, wrapped=w, grouping=g), reps
         )
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30  # over the arm's three timings
         rows.append({"backend": name, "fwd_ms": fwd, "fwd_grad_ms": fwd_grad, "fwd_bwd_ms": fwd_bwd, "peak_gib": peak})
     ref = {r["backend"]: r for r in rows}
     for r in rows:
         r["speedup_vs_compile"] = ref["compile"]["fwd_bwd_ms"] / r["fwd_bwd_ms"] if "compile" in ref else float("nan")
-        least = mb.bytes_fwd_paired if r["backend"] in PAIRED else mb.bytes_fwd
+        grouping = GROUPED.get(r["backend"])
+        least = mb.bytes_grouped[grouping] if grouping else mb.bytes_fwd
         r["fwd_bw_frac"] = least / (r["fwd_ms"] * 1e-3) / bw
     print(f"\n8B microbatch: B={args.batch} T={args.seq} d={args.dim} H={args.heads}, {len(mb.calls)} calls, ")
     print(
-        f"forward moves at least {mb.bytes_fwd / 1e9:.1f} GB one call per site, {mb.bytes_fwd_paired / 1e9:.1f} GB "
-        f"a layer's two sites in one pass; copy bandwidth {bw / 1e12:.2f} TB/s"
+        f"forward moves at least {mb.bytes_fwd / 1e9:.1f} GB one call per site, "
+        f"{mb.bytes_grouped['layer'] / 1e9:.1f} GB a layer's two sites in one pass, "
+        f"{mb.bytes_grouped['block'] / 1e9:.1f} GB a block's {mb.per_block}; "
+        f"copy bandwidth {bw / 1e12:.2f} TB/s"
     )
     print("headline: triton, the path the training step takes")
     print(
@@ -130,10 +133,10 @@ def profile(args) -> None:
     print(f"profiling {arm}: {ARMS[arm]}")
     mb = Microbatch(args.batch, args.seq, args.dim, args.layers, args.blocks)
     fn = route_fns(args.heads, 1e-5)[arm]
-    mb.forward_backward(fn, SOURCE_BACKEND[arm], paired=arm in PAIRED)
+    mb.forward_backward(fn, SOURCE_BACKEND[arm], grouping=GROUPED.get(arm))
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        mb.forward_backward(fn, SOURCE_BACKEND[arm], paired=arm in PAIRED)
+        mb.forward_backward(fn, SOURCE_BACKEND[arm], grouping=GROUPED.get(arm))
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60))
 
@@ -160,7 +163,7 @@ def main() -> None:
         "--profile",
         nargs="?",
         const="triton",
-        choices=("triton_op", "triton", "triton_site"),
+        choices=("triton_op", "triton", "triton_layer", "triton_site"),
         help="profile this arm's microbatch instead (default triton, the training step's path)",
     )
     parser.add_argument(

@@ -24,8 +24,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels.triton.backward import route_bwd_mix_kernel, route_bwd_stats_kernel
-from kernels.triton.forward import route_fwd_kernel
-from kernels.triton.launch import DEFAULT_TABLES, MAX_SOURCES, mix_launch, row_launch
+from kernels.triton.forward import route_fwd_kernel, route_fwd_sites_kernel
+from kernels.triton.launch import DEFAULT_TABLES, MAX_SOURCES, mix_launch, row_launch, sites_launch, stats_launch
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTXAS = os.path.join(BIN, "ptxas")
@@ -75,16 +75,40 @@ def sass_opcodes(cubin: bytes) -> collections.Counter:
     return collections.Counter(found)
 
 
-def main() -> None:
+def block_rows(args, types: dict[str, object], m: int, itemsize: int) -> dict[str, collections.Counter]:
+    """The block forward's rows (`args.sites` sites) at 1, 2 and 4 rows a program; its opcodes at its table's shape."""
+    n, p, f32 = args.sources, types["X"], "*fp32"
+    block = DEFAULT_TABLES.fwd_sites[n]
+    block_types = {**types, **{k: (p,) * args.sites for k in ("NULLS", "QS", "GS", "GATES", "OUTS")}}
+    block_types["LGS"] = (f32,) * args.sites
+    name, opcodes = f"fwd, {args.sites} sites (block)", {}
+    for rows in sorted({1, 2, 4, block["rows"]}):
+        shape = (m, args.dim, args.heads, n, itemsize, rows, block["warps_per_4096"], True, args.sites)
+        _, warps, consts = sites_launch(*shape)
+        compiled = compile_sm90(route_fwd_sites_kernel, block_types, consts, warps, block["maxnreg"])
+        use = ptxas_usage(compiled.asm["ptx"])
+        print(f"| {name} | rows {rows} | {warps} | {use['registers']} | {use['spill_bytes']} |")
+        if args.sass and rows == block["rows"]:
+            opcodes[f"{name}, rows {rows}"] = sass_opcodes(compiled.asm["cubin"])
+    return opcodes
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sources", type=int, default=8, help="caller sources (N - 1)")
     parser.add_argument("--dim", type=int, default=4096, help="model width d")
     parser.add_argument("--heads", type=int, default=8, help="routing heads H")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the sources' dtype")
+    parser.add_argument("--sites", type=int, default=8, help="sites of the block forward (a block's 2 x layers)")
     parser.add_argument("--sass", action="store_true", help="also count the row kernels' instructions by opcode")
     args = parser.parse_args()
     if not 1 <= args.sources <= MAX_SOURCES:
         parser.error(f"--sources {args.sources}: the kernels take 1 to {MAX_SOURCES} caller sources")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     n, d, h, m = args.sources, args.dim, args.heads, 8192
     p, f32 = f"*{args.dtype}", "*fp32"
     itemsize = 2 if args.dtype == "bf16" else 4
@@ -95,6 +119,8 @@ def main() -> None:
         "COEFS": (f32,) * calls, "QS": (p,) * calls, "GS": (p,) * calls, "CSUMS": (f32,) * n, "RSTDS": (f32,) * n,
         "NULL2": p, "Q2": p, "G2": p, "GATE2": p, "OUT2": p, "LG2": f32, "DOUT2": p, "COEF2": f32, "PARTS2": f32,
     }  # fmt: skip
+    per_group = ("DOUT", "NULL", "LG", "GATE", "COEF", "PARTS", "DOUT2", "NULL2", "LG2", "GATE2", "COEF2", "PARTS2")
+    stats_types = {**types, **{name: (types[name],) for name in per_group}}
     # the layout Triton picks for the row tiles (and so registers and barriers) changes between versions
     print(f"sm_90, triton {triton.__version__}, d={d}, H={h}, {n} sources, {args.dtype}")
     print("| kernel | launch | warps | registers | spill bytes |")
@@ -112,17 +138,20 @@ def main() -> None:
         known = (1 << n) - 1 if launch["given_rstd"] else 0
         has_x = False if fn is route_fwd_kernel else None
         for warps_per_4096 in sorted({4, 8, 16, launch["warps_per_4096"]}):
-            _, warps, consts = row_launch(
-                m, d, h, n, itemsize, launch["rows"], warps_per_4096, True, known, has_x, sites, launch["prefetch"]
-            )
+            shape = (m, d, h, n, itemsize, launch["rows"], warps_per_4096, True, known)
+            if fn is route_fwd_kernel:
+                _, warps, consts = row_launch(*shape, has_x, sites, launch["prefetch"])
+            else:  # one group of sites a launch (the per-site arguments are tuples, one entry a group)
+                _, warps, consts = stats_launch(*shape, sites, launch["prefetch"], 1)
             # the forward's register cap applies to its own launch shape only
             cap = launch.get("maxnreg") if warps_per_4096 == launch["warps_per_4096"] else None
-            compiled = compile_sm90(fn, types, consts, warps, cap)
+            compiled = compile_sm90(fn, types if fn is route_fwd_kernel else stats_types, consts, warps, cap)
             use = ptxas_usage(compiled.asm["ptx"])
             shape = f"rows {launch['rows']}" + (f", registers <= {cap}" if cap else "")
             print(f"| {name} | {shape} | {warps} | {use['registers']} | {use['spill_bytes']} |")
             if args.sass and warps_per_4096 == launch["warps_per_4096"]:
                 opcodes[f"{name}, {shape}"] = sass_opcodes(compiled.asm["cubin"])
+    opcodes.update(block_rows(args, types, m, itemsize))
     shared = (1 << n) - 1  # every source shared, the rest of the sum accumulated: the eager path
     for block_m, block_kc, warps in [(32, 64, 4), (32, 128, 4), (64, 64, 4), (32, 128, 8)]:
         _, consts = mix_launch(m, d, h, n, calls, block_m, block_kc, shared, shared)

@@ -13,7 +13,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from kernels import route_torch, routing_source
-from kernels.triton.autograd import route_eager, route_op, route_pair_eager
+from kernels.triton.autograd import route_eager, route_op, route_sites_eager
 from kernels.triton.launch import LaunchTables
 
 DTYPE = torch.bfloat16
@@ -52,7 +52,8 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
 
 # What each row measures: the routing path, by kernels.routing's backend name.
 ARMS = {
-    "triton": "eager autograd.Function, a layer's two sites in one pass (the training step's path)",
+    "triton": "eager autograd.Function, a block's sites in one call (the training step's path)",
+    "triton_layer": "eager autograd.Function, a layer's two sites in one call",
     "triton_site": "eager autograd.Function, one call per site",
     "triton_op": "custom op torch.ops.mhar.route_fwd",
     "compile": "torch reference under torch.compile, per-call checkpoint",
@@ -62,13 +63,15 @@ ARMS = {
 SOURCE_BACKEND = {
     "triton_op": "triton_op",
     "triton": "triton",
+    "triton_layer": "triton",
     "triton_site": "triton",
     "compile": "torch",
     "eager": "torch",
 }
 # Arms whose op saves nothing but references to its inputs: the model runs them unwrapped
-UNWRAPPED = ("triton", "triton_site", "triton_op")
-PAIRED = ("triton",)  # arms that route a layer's two sites in one call, as the model does
+UNWRAPPED = ("triton", "triton_layer", "triton_site", "triton_op")
+# Arms that route several sites over the same sources in one call: a block's (as the model does), a layer's
+GROUPED = {"triton": "block", "triton_layer": "layer"}
 
 
 def route_fns(num_heads: int, eps: float, tables: LaunchTables | None = None) -> dict[str, Callable]:
@@ -83,15 +86,15 @@ def route_fns(num_heads: int, eps: float, tables: LaunchTables | None = None) ->
     def triton_fn(null, q, g, gate, *srcs):
         return route_eager(None, srcs, null, q, g, gate, num_heads=num_heads, eps=eps, tables=tables)[0]
 
-    def pair_fn(site_a, site_b, *srcs):
-        outs = route_pair_eager(srcs, site_a, site_b, num_heads=num_heads, eps=eps, tables=tables)
-        return [out for out, _ in outs]
+    def sites_fn(sites, *srcs):
+        return [out for out, _ in route_sites_eager(srcs, sites, num_heads=num_heads, eps=eps, tables=tables)]
 
     def torch_fn(null, q, g, gate, *srcs):
         return route_torch(None, srcs, null, q, g, gate, num_heads=num_heads, eps=eps)[0]
 
     return {
-        "triton": pair_fn,
+        "triton": sites_fn,
+        "triton_layer": sites_fn,
         "triton_site": triton_fn,
         "triton_op": op_fn,
         "compile": torch.compile(torch_fn, dynamic=False),
@@ -128,20 +131,28 @@ class Microbatch:
         self.grad_out = torch.randn(B, T, d, **dev)
         unit = self.grad_out.numel() * self.grad_out.element_size()
         self.bytes_fwd = sum((n + 1) * unit for n, _ in self.calls)  # sources read, output written
-        self.bytes_fwd_paired = sum((n + 2) * unit for n, _, _ in self.layers())  # sources read once a layer
+        self.per_block = 2 * per_block  # sites
+        # sources read once a layer, or once a block; every output written
+        self.bytes_grouped = {
+            grouping: sum((n + len(sites)) * unit for n, sites in self.groups(grouping))
+            for grouping in ("layer", "block")
+        }
 
-    def layers(self) -> list[tuple[int, list[torch.Tensor], list[torch.Tensor]]]:
-        """(n_sources, params of the attention site, of the MLP site) per layer."""
-        return [(n, a, b) for (n, a), (_, b) in zip(self.calls[::2], self.calls[1::2], strict=True)]
+    def groups(self, grouping: str) -> list[tuple[int, list[list[torch.Tensor]]]]:
+        """(n_sources, each site's params) per call over the same sources: a layer's two sites, or a block's."""
+        size = 2 if grouping == "layer" else self.per_block
+        return [
+            (self.calls[at][0], [p for _, p in self.calls[at : at + size]]) for at in range(0, len(self.calls), size)
+        ]
 
-    def forward(self, fn: Callable, grad: bool = False, paired: bool = False, wrapped: bool = False) -> None:
+    def forward(self, fn: Callable, grad: bool = False, grouping: str | None = None, wrapped: bool = False) -> None:
         """Every call's forward; with `grad`, as in training (the graph is built, then dropped);
-        `paired`: fn routes a layer's two sites at once (fn(params_a, params_b, *sources)); `wrapped`: with
+        `grouping` ("layer", "block"): fn routes the group's sites at once (fn(sites, *sources)); `wrapped`: with
         grad, each call checkpointed on its own, as in `forward_backward` (the torch reference keeps every
         call's intermediates otherwise: more than a 141 GB GPU holds for the 8B microbatch's 64 calls)."""
         with torch.set_grad_enabled(grad):
-            if paired:
-                outs = [fn(a, b, *self.sources[:n]) for n, a, b in self.layers()]
+            if grouping:
+                outs = [fn(sites, *self.sources[:n]) for n, sites in self.groups(grouping)]
             else:
                 outs = []
                 for n, params in self.calls:
@@ -156,16 +167,15 @@ class Microbatch:
         return [*self.sources] + [p for _, ps in self.calls for p in ps]
 
     def forward_backward(
-        self, fn: Callable, backend: str, keep_grads: bool = False, wrapped: bool = False, paired: bool = False
+        self, fn: Callable, backend: str, keep_grads: bool = False, wrapped: bool = False, grouping: str | None = None
     ) -> None:
         """Forward and backward of every call; `wrapped`: each call checkpointed on its own;
-        `paired`: as in `forward`."""
+        `grouping`: as in `forward`."""
         srcs = [routing_source(s, backend) for s in self.sources]
         outs = []
-        if paired:
-            for n, a, b in self.layers():
-                outs.extend(fn(a, b, *srcs[:n]))
-        for n, params in [] if paired else self.calls:
+        for n, sites in self.groups(grouping) if grouping else []:
+            outs.extend(fn(sites, *srcs[:n]))
+        for n, params in [] if grouping else self.calls:
             site = functools.partial(call_site, fn, params)
             outs.append(checkpoint(site, srcs[:n], use_reentrant=False) if wrapped else site(srcs[:n]))
         torch.autograd.backward(outs, [self.grad_out] * len(outs))

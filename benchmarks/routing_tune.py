@@ -24,6 +24,7 @@ from kernels.triton.host import (
     finish_param_grads,
     forward,
     forward_pair,
+    forward_sites,
     source_rstd,
 )
 from kernels.triton.launch import DEFAULT_TABLES, LaunchTables
@@ -39,6 +40,7 @@ TUNE_KERNELS = (
     "load",
     "group",
     "finish",
+    "block",
 )  # what `--tune` takes
 
 
@@ -189,6 +191,8 @@ def tune(args, bw: float) -> None:
         tune_pair_loaded(args, bw, t.dout, t.site_params())
     if "group" in kernels:
         _tune_group(t)
+    if "block" in kernels:
+        tune_block(args, bw, t.dout)
     if "finish" in kernels:
         finish(t.x, t.z, t.q, t.g, t.gate, args.heads)
 
@@ -382,3 +386,50 @@ def finish(x, z, q, g, gate, num_heads: int) -> None:
         mark = " (default)" if {"block_c": block_c, "block_p": block_p, "warps": warps} == dict(default) else ""
         shape = f"{block_c} columns, {block_p} partials a step, {warps} warps{mark}"
         print(f"| finish | - | {shape} | {ms:.4f} | |")
+
+
+BLOCK_FWD = [(1, None), (2, None), (2, 128), (4, None), (4, 128)]  # (rows, register cap) of the block forward
+
+
+def tune_block(args, bw: float, dout: torch.Tensor) -> None:
+    """A block's sites (2 x layers / blocks) over n marked sources, after matmuls (`Burst`), as the step
+    runs them: the forward in passes of two sites (the two-site kernel) against one pass of the block
+    kernel at each launch shape; the stats passes one launch per pair against one launch for the block.
+    Shares of copy bandwidth count the least bytes: the sources once, every site's output (or output
+    gradient) once."""
+    count = 2 * args.layers // args.blocks
+    gen = torch.Generator(device=dout.device).manual_seed(0)
+    sites = [
+        Site(*(0.5 * torch.randn(dout.shape[-1], device=dout.device, generator=gen).to(dout.dtype) for _ in range(3)),
+             0.1 * torch.randn(1, device=dout.device, generator=gen).to(dout.dtype))
+        for _ in range(count)
+    ]  # fmt: skip
+    douts = [torch.randn_like(dout) for _ in range(count)]
+    burst = Burst(dout, reps=20)
+    unit = dout.numel() * dout.element_size()
+    for n in PAIR_SOURCES:
+        srcs = [torch.randn_like(dout) for _ in range(n)]
+        rstds = [source_rstd(s, 1e-5) for s in srcs]
+        share = (n + count) * unit
+        cases = [("fwd, pairs", DEFAULT_TABLES.replace(fwd_sites={n: {"sites": 2}}))]
+        for rows, cap in BLOCK_FWD:
+            shape = {"sites": count, "rows": rows, "warps_per_4096": 8, "maxnreg": cap}
+            cases.append(
+                (f"fwd, block, rows {rows}, registers <= {cap or 'any'}", DEFAULT_TABLES.replace(fwd_sites={n: shape}))
+            )
+        for label, tables in cases:
+            ms = burst.median_ms(partial(forward_sites, srcs, sites, args.heads, 1e-5, tables, rstds), burst.loaded)
+            mark = " (default)" if tables.fwd_sites[n] == DEFAULT_TABLES.fwd_sites[n] else ""
+            print(f"| {label}{mark} | {n} | {count} sites | {ms:.3f} | {share / (ms * 1e-3) / bw:.0%} |")
+        lgs = [lg for _, lg in forward_sites(srcs, sites, args.heads, 1e-5, DEFAULT_TABLES, rstds)]
+
+        def pairs(srcs=srcs, rstds=rstds, lgs=lgs) -> None:
+            for at in range(0, count, 2):
+                backward_stats_pair(
+                    douts[at : at + 2], lgs[at : at + 2], srcs, sites[at : at + 2], args.heads, 1e-5, rstds
+                )
+
+        block = partial(backward_stats_pair, douts, lgs, srcs, sites, args.heads, 1e-5, rstds)
+        for label, fn in (("stats, a launch per pair", pairs), ("stats, one launch", block)):
+            ms = burst.median_ms(fn, burst.loaded)
+            print(f"| {label} | {n} | {count} sites | {ms:.3f} | {share / (ms * 1e-3) / bw:.0%} |")

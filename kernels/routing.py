@@ -9,7 +9,7 @@ caller's sources (embedding, then completed block deltas) follow in order.
 Backends, named by the caller (`backend=`), each one code path:
 - `torch`: `route_torch`, the plain reference every other backend is tested against;
 - `triton`: the fused kernels through an eager autograd.Function (kernels/triton/autograd.py,
-  `route_eager`; `route_pair_eager` for two sites over the same sources, `mhar_route_pair`),
+  `route_eager`; `route_sites_eager` for sites over the same sources, `mhar_route_sites`),
   which sums the gradients of sources marked with `routing_source` in place.
   Inside a torch.compile graph it is `triton_op`: autograd.py declares that substitution once,
   with torch.compile's `substitute_in_graph` (the eager path cannot be traced). The model's
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.triton.autograd import cast_site, route_eager, route_op, route_pair_eager
+from kernels.triton.autograd import cast_site, route_eager, route_op, route_sites_eager
 from kernels.triton.launch import MAX_SOURCES as MAX_TRITON_SOURCES
 from kernels.triton.shared import share_source_grad
 
@@ -36,7 +36,7 @@ __all__ = [
     "autocast_dtype",
     "compute_dtype",
     "mhar_route",
-    "mhar_route_pair",
+    "mhar_route_sites",
     "mhar_route_with_logits",
     "mhar_route_with_weights",
     "resolve_backend",
@@ -205,7 +205,7 @@ def mhar_route(
     return out
 
 
-def mhar_route_pair(
+def mhar_route_sites(
     sources: Sequence[torch.Tensor],
     sites: Sequence[Sequence[torch.Tensor]],
     *,
@@ -213,20 +213,19 @@ def mhar_route_pair(
     eps: float,
     backend: str = "auto",
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """gate * R(sources) for two sites over the same sources (a layer's attention and MLP inputs),
-    with each site's routing logits [N, B, T, H]: `mhar_route_with_logits(None, ...)` per site,
-    computed together. Each site is (null, query, norm_weight, gate). With the triton backend one
-    forward pass and one backward stats pass read each source once for both sites."""
-    if len(sites) != 2 or any(len(site) != 4 for site in sites):
-        raise ValueError("mhar_route_pair takes two sites, each (null, query, norm_weight, gate)")
+    """gate * R(sources) for sites over the same sources (a block's attention and MLP inputs), with
+    each site's routing logits [N, B, T, H]: `mhar_route_with_logits(None, ...)` per site, computed
+    together. Each site is (null, query, norm_weight, gate). With the triton backend the forward
+    reads each source once for several sites, and each backward stats pass once for two."""
+    if not sites or any(len(site) != 4 for site in sites):
+        raise ValueError("mhar_route_sites takes one or more sites, each (null, query, norm_weight, gate)")
     for site in sites:
         _check(None, sources, site[1], num_heads)
     backend = resolve_backend(backend, sources[0].device)
-    site_a, site_b = sites
-    if backend == "triton" and site_a[1].dtype == site_b[1].dtype:
-        out_dtype, param_dtype = compute_dtype(site_a[1]), autocast_dtype(sources[0].device)
-        return route_pair_eager(
-            sources, site_a, site_b, num_heads=num_heads, eps=eps, out_dtype=out_dtype, param_dtype=param_dtype
+    if backend == "triton" and len({site[1].dtype for site in sites}) == 1:
+        out_dtype, param_dtype = compute_dtype(sites[0][1]), autocast_dtype(sources[0].device)
+        return route_sites_eager(
+            sources, sites, num_heads=num_heads, eps=eps, out_dtype=out_dtype, param_dtype=param_dtype
         )
     return [
         mhar_route_with_logits(None, sources, *site, num_heads=num_heads, eps=eps, backend=backend) for site in sites

@@ -1,5 +1,5 @@
 """The kernel benchmark's microbatch harness, on CPU at a tiny size: its triton arms (calls as the
-model makes them, a layer's two sites in one pass or one call per site, sources marked with
+model makes them, a block's sites in one call, a layer's two or one call per site, sources marked with
 routing_source, gradients summed in place) compute the gradients its eager arm computes (per-call
 checkpoints), and its forwards with and without grad compute the same outputs."""
 
@@ -18,17 +18,23 @@ def test_microbatch_arms_compute_the_same_gradients():
     mb = Microbatch(1, 3, 24, num_layers=4, num_blocks=2, device=device, dtype=torch.float32)
     fns = route_fns(8, 1e-5)
     grads = {}
-    arms = (("triton", "triton", False, True), ("triton_site", "triton", False, False), ("eager", "torch", True, False))
-    for name, backend, wrapped, paired in arms:
-        mb.forward_backward(fns[name], backend, keep_grads=True, wrapped=wrapped, paired=paired)
+    arms = (
+        ("triton", "triton", False, "block"),
+        ("triton_layer", "triton", False, "layer"),
+        ("triton_site", "triton", False, None),
+        ("eager", "torch", True, None),
+    )
+    for name, backend, wrapped, grouping in arms:
+        mb.forward_backward(fns[name], backend, keep_grads=True, wrapped=wrapped, grouping=grouping)
         grads[name] = [t.grad.clone() for t in mb.leaves()]
         # and without keep_grads: nothing is left behind
-        mb.forward_backward(fns[name], backend, wrapped=wrapped, paired=paired)
+        mb.forward_backward(fns[name], backend, wrapped=wrapped, grouping=grouping)
         assert all(t.grad is None for t in mb.leaves())
     assert len(grads["triton"]) == 2 + 8 * 4  # two sources; per call four parameters
-    # a layer's two sites in one pass compute what one call each computes, bit for bit
-    for i, (a, b) in enumerate(zip(grads["triton"], grads["triton_site"], strict=True)):
-        assert torch.equal(a, b), f"leaf {i}"
+    # a block's sites in one call, a layer's two, compute what one call each computes, bit for bit
+    for arm in ("triton", "triton_layer"):
+        for i, (a, b) in enumerate(zip(grads[arm], grads["triton_site"], strict=True)):
+            assert torch.equal(a, b), f"{arm}, leaf {i}"
     # the triton op keeps references to its inputs only: under a per-call checkpoint it is not
     # re-run, so the same kernels run in the same order and the gradients are bitwise the same
     mb.forward_backward(fns["triton_site"], "triton", keep_grads=True, wrapped=True)
@@ -49,13 +55,14 @@ def test_microbatch_arms_compute_the_same_gradients():
     with torch.no_grad():
         fast = fns["triton_site"](*params, *mb.sources[:n])
     assert torch.equal(fast, fns["triton_site"](*params, *mb.sources[:n]).detach())
-    n, site_a, site_b = mb.layers()[-1]
-    with torch.no_grad():
-        fast = fns["triton"](site_a, site_b, *mb.sources[:n])
-    for a, b in zip(fast, fns["triton"](site_a, site_b, *mb.sources[:n]), strict=True):
-        assert torch.equal(a, b.detach())
-    mb.forward(fns["triton"], paired=True)
-    mb.forward(fns["triton"], grad=True, paired=True)
+    for grouping in ("block", "layer"):
+        n, sites = mb.groups(grouping)[-1]
+        with torch.no_grad():
+            fast = fns["triton"](sites, *mb.sources[:n])
+        for a, b in zip(fast, fns["triton"](sites, *mb.sources[:n]), strict=True):
+            assert torch.equal(a, b.detach())
+        mb.forward(fns["triton"], grouping=grouping)
+        mb.forward(fns["triton"], grad=True, grouping=grouping)
     mb.forward(fns["eager"], grad=True, wrapped=True)  # each call checkpointed, as the benchmark runs it
 
 

@@ -18,9 +18,11 @@ def test_every_kernel_compiles_for_sm90_and_ptxas_reports_registers():
     rows = re.findall(r"^\| (fwd|stats|mix) \| [^|]+ \| (\d+) \| (\d+) \| (\d+) \|$", out, re.M)
     assert {r[0] for r in rows} == {"fwd", "stats", "mix"} and len(rows) == 10, out
     assert all(0 < int(regs) <= 255 for _, _, regs, _ in rows), out
+    block = re.findall(r"^\| fwd, 8 sites \(block\) \| rows (\d+) \| (\d+) \| (\d+) \| (\d+) \|$", out, re.M)
+    assert [r[0] for r in block] == ["1", "2", "4"] and all(0 < int(r[2]) <= 255 for r in block), out
     # --sass: each row kernel at its table's shape, counted by opcode (every one multiplies and adds)
     sass = re.findall(r"^\| ((?:fwd|stats)[^|]*) \| (\d+) \| ([^|]+) \|$", out, re.M)
-    assert [s[0].split(",")[0] for s in sass] == ["fwd", "stats", "fwd", "stats"], out
+    assert [s[0].split(",")[0] for s in sass] == ["fwd", "stats", "fwd", "stats", "fwd"], out
     for _, total, top in sass:
         counts = dict(item.rsplit(" ", 1) for item in top.split(", "))
         assert int(counts["FFMA"]) > 0 and sum(map(int, counts.values())) <= int(total), top

@@ -247,20 +247,20 @@ def test_each_block_delta_is_the_sum_of_its_sublayer_outputs(dtype):
     layer's a + m, then each later layer's added in fp32 and rounded once. In float64 D_k is
     h_end - h_start to rounding (in bf16 that difference would cancel)."""
     model = routed_tiny_model(seq=16, num_blocks=2, backend="torch", device="cpu").to(dtype)
-    inputs, outs = {}, {}
+    inputs, outs, read = {}, {}, []
+    route_block = model.route_block
+    model.route_block = lambda block, sources: read.append(sources) or route_block(block, sources)
     for i, layer in enumerate(model.layers.values()):
-        layer.register_forward_pre_hook(
-            lambda m, a, kw, i=i: inputs.__setitem__(i, (a[0], kw["sources"])), with_kwargs=True
-        )
+        layer.register_forward_pre_hook(lambda m, a, i=i: inputs.__setitem__(i, a[0]))
         layer.register_forward_hook(lambda m, a, out, i=i: outs.__setitem__(i, out[1]))
         layer.attention.register_forward_hook(lambda m, a, out, i=i: outs.__setitem__(("a", i), out))
         layer.feed_forward.register_forward_hook(lambda m, a, out, i=i: outs.__setitem__(("m", i), out))
     with torch.no_grad():
         model(torch.randint(0, model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)))
-    assert [len(inputs[i][1]) for i in range(4)] == [1, 1, 2, 2]  # the embedding, then D_0 from layer 2 on
-    d0 = inputs[2][1][1]
+    assert [len(sources) for sources in read] == [1, 2]  # each block's: the embedding, then D_0 for the second
+    d0 = read[1][1]
     assert d0 is outs[1] and torch.equal(outs[0], outs[("a", 0)] + outs[("m", 0)])
     wide = torch.promote_types(dtype, torch.float32)
     assert torch.equal(d0, (outs[0].to(wide) + outs[("a", 1)] + outs[("m", 1)]).to(dtype))
     if dtype == torch.float64:
-        torch.testing.assert_close(d0, inputs[2][0] - inputs[0][0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(d0, inputs[2] - inputs[0], rtol=1e-12, atol=1e-12)

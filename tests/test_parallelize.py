@@ -2,6 +2,10 @@
 step in every AC mode, and every number is that of the unwrapped model."""
 
 import copy
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -44,9 +48,33 @@ def test_routing_runs_once_per_step_under_every_ac_mode_with_the_same_numbers(ti
     config = parse_config(["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), *AC[mode]])
     wrap_blocks(model, config, compile_model=False)
     launches = []
-    forward = rt.fwd_launcher
-    monkeypatch.setattr(rt, "fwd_launcher", lambda *a, **k: (launches.append(1), forward(*a, **k)))
+    for name in ("fwd_launcher", "sites_launcher"):
+        forward = getattr(rt, name)
+        monkeypatch.setattr(rt, name, lambda *a, forward=forward, **k: (launches.append(1), forward(*a, **k)))
     wrapped = run(model, tokens)
-    assert len(launches) == base.n_layers  # a layer's two sites in one pass, once: never recomputed
+    # a block's sites in passes of the table's `sites`, once: never recomputed
+    per_pass = rt.DEFAULT_TABLES.fwd_sites[1]["sites"]
+    assert len(launches) == base.model_args.mhar.num_blocks * -(-2 * base.model_args.layers_per_block // per_pass)
     for a, b in zip(plain, wrapped, strict=True):
         assert torch.equal(a, b)
+
+
+def test_each_blocks_sites_are_one_fsdp_unit_and_train_as_the_unsharded_model(tmp_path):
+    """Under FSDP2 (2 CPU ranks) the model routes a block's sites at its start, before its later layers'
+    units are gathered: each block's sites form one unit of their own, no layer's unit holds a site, the
+    parameter names stay the layers', and one forward and backward equal the unsharded model's."""
+    out = tmp_path / "found.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "tests" / "fsdp_routing.py"), str(out)]  # fmt: skip
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    found = json.loads(out.read_text())
+    assert found["sites_are_units"] and found["blocks_apart"] and found["units_hold_sites_only"], found
+    assert found["layers_hold_no_site"] and found["layers_hold_their_weights"], found
+    assert found["unit_sizes"] == [16, 16, 16, 16], found  # 2 layers x 2 sites x (null, query, norm weight, gate)
+    assert found["block_units_shared"] == [True, True], found
+    assert found["names"][0].startswith("layers.0.attn_routing."), found
+    assert found["output_error"] <= 1e-5 and found["site_grads_nonzero"], found
+    name, err = found["worst_grad"]
+    assert err <= 1e-4, found  # fp32, summed over 2 ranks in another order

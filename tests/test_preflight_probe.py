@@ -27,7 +27,7 @@ from mhar_titan.preflight.probe_report import (
     probe_stages,
 )
 
-GEOMETRY = ["--dim", "256", "--num-heads", "8", "--tokens", "32"]
+GEOMETRY = ["--dim", "256", "--num-heads", "8", "--tokens", "32", "--sites", "4"]  # a block of 2 layers
 
 
 def _launch(out, max_sources):
@@ -59,7 +59,9 @@ def test_a_plain_probe_passes_every_stage_with_its_fields(probes):
     assert all(s.ok for s in stages.values()), [(s.key, s.figure) for s in stages.values()]
     assert stages["a"].figure.startswith("torch 2.13") and "2 CPU ranks" in stages["a"].figure
     assert "host memory available (min over ranks)" in stages["a"].figure
-    assert stages["b"].figure.startswith("2-3 sources (null included) at width 256, 8 heads, 32 tokens: worst error")
+    assert stages["b"].figure.startswith(
+        "2-3 sources (null included), 4 sites a call, at width 256, 8 heads, 32 tokens: worst error"
+    )
     assert stages["b"].figure.endswith("bitwise repeatable")
     assert "TFLOP/s" in stages["c"].figure and "all-gather busbw" in stages["c"].figure
     assert "reduce-scatter busbw" in stages["c"].figure and "CPU ranks: timed, not judged" in stages["c"].figure
@@ -78,8 +80,9 @@ def test_a_plain_probe_passes_every_stage_with_its_fields(probes):
         for count in kernels["counts"]:
             assert count["bitwise"] and count["seconds"] > 0
             sources = [f"source{i}" for i in range(count["sources"] - 1)]
-            params = [f"{p}_{s}" for s in "ab" for p in ("null", "query", "norm_weight", "gate")]
-            assert set(count["checks"]) == {"out_a", "out_b", "logits_a", "logits_b", *sources, *params}
+            params = [f"{p}_{s}" for s in "abcd" for p in ("null", "query", "norm_weight", "gate")]
+            outs = [f"{kind}_{s}" for kind in ("out", "logits") for s in "abcd"]
+            assert set(count["checks"]) == {*outs, *sources, *params}
             assert all(0 <= c["ratio"] <= 1 for c in count["checks"].values())
         hardware = record["hardware"]
         assert hardware["gemm"]["tflops"] > 0 and hardware["gemm"]["shape"] == [32, 256, 896]

@@ -1,4 +1,4 @@
-"""Two sites over the same sources in one pass (kernels.routing.mhar_route_pair, a layer's two sites):
+"""Two sites over the same sources in one pass (kernels.routing.mhar_route_sites, a layer's two sites):
 against the torch reference, and against the same two sites routed one call each."""
 
 import pytest
@@ -7,8 +7,8 @@ from test_routing_triton import PARAMS, SHAPES, condition_scales, scale_of, site
 from torch._dynamo.utils import counters
 
 import kernels.triton.launch as rt
-from kernels.routing import mhar_route_pair, mhar_route_with_logits, routing_source
-from kernels.triton.autograd import route_pair_eager
+from kernels.routing import mhar_route_sites, mhar_route_with_logits, routing_source
+from kernels.triton.autograd import route_sites_eager
 
 EPS = 1e-5
 
@@ -28,7 +28,7 @@ def routed_pair(backend, leaves, S, H, grad_outs, mark=False):
     """[out_a, out_b, logits_a, logits_b, *gradients of the leaves]."""
     sources, sites = split(leaves, S)
     srcs = [routing_source(s, backend) for s in sources] if mark else sources
-    (out_a, lg_a), (out_b, lg_b) = mhar_route_pair(srcs, sites, num_heads=H, eps=EPS, backend=backend)
+    (out_a, lg_a), (out_b, lg_b) = mhar_route_sites(srcs, sites, num_heads=H, eps=EPS, backend=backend)
     grads = torch.autograd.grad([out_a, out_b], leaves, grad_outs)
     return [out_a, out_b, lg_a, lg_b, *grads]
 
@@ -86,7 +86,7 @@ def test_equals_one_call_per_site_bit_for_bit(H, d, S, T, dtype, two_site_stats,
     runs the same arithmetic in the same order, one load of each source serving both. So are the
     marked sources' gradients, which both ways sum in one mix pass per layer. The backward takes
     one two-site stats pass or, where its table says None, two single-site ones: both checked."""
-    shape = {"rows": 32, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True, "prefetch": False}
+    shape = {"rows": 32, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True, "prefetch": False, "grouped": False}
     monkeypatch.setitem(rt.STATS_PAIR, S, shape if two_site_stats else None)
     leaves = pair(H, d, S, T, dtype)
     grad_outs = [torch.randn_like(leaves[0]) for _ in range(2)]
@@ -138,7 +138,7 @@ def test_one_site_unused_gets_no_gradient_and_the_other_its_own(poisoned):
     leaves = pair(H, d, S, T, torch.float32)
     sources, sites = split(leaves, S)
     grad_out = torch.randn_like(sources[0])
-    (out_a, _), (out_b, _) = mhar_route_pair(sources, sites, num_heads=H, eps=EPS, backend="triton")
+    (out_a, _), (out_b, _) = mhar_route_sites(sources, sites, num_heads=H, eps=EPS, backend="triton")
     got = torch.autograd.grad(out_b, leaves, grad_out, allow_unused=True)
     out, _ = mhar_route_with_logits(None, sources, *sites[1], num_heads=H, eps=EPS, backend="triton")
     want = torch.autograd.grad(out, [*sources, *sites[1]], grad_out)
@@ -153,9 +153,9 @@ def test_without_grad_the_forward_computes_exactly_what_it_computes_with_grad():
     sources, sites = split(leaves, S)
     with torch.no_grad():
         marked = [routing_source(s, "triton") for s in sources]
-        plain = mhar_route_pair(marked, sites, num_heads=H, eps=EPS, backend="triton")
+        plain = mhar_route_sites(marked, sites, num_heads=H, eps=EPS, backend="triton")
     marked = [routing_source(s, "triton") for s in sources]
-    graded = mhar_route_pair(marked, sites, num_heads=H, eps=EPS, backend="triton")
+    graded = mhar_route_sites(marked, sites, num_heads=H, eps=EPS, backend="triton")
     for (a, wa), (b, wb) in zip(plain, graded, strict=True):
         assert torch.equal(a, b) and torch.equal(wa, wb)
         assert b.requires_grad and not a.requires_grad
@@ -176,7 +176,7 @@ def test_under_autocast_the_pair_reads_its_sites_as_fsdp_gathers_them(poisoned):
         got = routed_pair("triton", [*sources, *params], S, H, grad_outs, mark=True)
         with torch.no_grad():
             marked = [routing_source(s, "triton") for s in sources]
-            plain = mhar_route_pair(marked, split(leaves, S)[1], num_heads=H, eps=EPS, backend="triton")
+            plain = mhar_route_sites(marked, split(leaves, S)[1], num_heads=H, eps=EPS, backend="triton")
     assert [g.dtype for g in got[4 + S :]] == [torch.float32] * 8
     for name, a, b in zip(names(S), got, want, strict=True):
         assert torch.equal(a.to(b.dtype), b), name
@@ -207,11 +207,11 @@ def test_sites_are_checked_by_name():
     H, d, S, T = 8, 40, 2, 3
     leaves = pair(H, d, S, T, torch.float32)
     sources, sites = split(leaves, S)
-    with pytest.raises(ValueError, match="two sites"):
-        mhar_route_pair(sources, sites[:1], num_heads=H, eps=EPS, backend="triton")
+    with pytest.raises(ValueError, match="one or more sites"):
+        mhar_route_sites(sources, sites[:0], num_heads=H, eps=EPS, backend="triton")
     bad = (sites[0], [sites[1][0], sites[1][1][:8], *sites[1][2:]])
     with pytest.raises(ValueError, match="query has shape"):
-        mhar_route_pair(sources, bad, num_heads=H, eps=EPS, backend="triton")
+        mhar_route_sites(sources, bad, num_heads=H, eps=EPS, backend="triton")
 
 
 def test_a_traced_graph_routes_the_pair_through_the_custom_op():
@@ -225,7 +225,7 @@ def test_a_traced_graph_routes_the_pair_through_the_custom_op():
     grad_outs = [torch.randn_like(sources[0]) for _ in range(2)]
 
     def both(srcs, a, b):
-        return [out for out, _ in route_pair_eager(srcs, a, b, num_heads=H, eps=EPS)]
+        return [out for out, _ in route_sites_eager(srcs, [a, b], num_heads=H, eps=EPS)]
 
     torch._dynamo.reset()
     counters.clear()
@@ -242,13 +242,61 @@ def test_a_site_parameter_changed_in_place_is_refused_by_name():
     H, d, S, T = 8, 40, 2, 3
     leaves = pair(H, d, S, T, torch.float32)
     sources, sites = split(leaves, S)
-    outs = mhar_route_pair(sources, sites, num_heads=H, eps=EPS, backend="triton")
+    outs = mhar_route_sites(sources, sites, num_heads=H, eps=EPS, backend="triton")
     with torch.no_grad():
         sites[1][1].mul_(2)  # the second site's query
     with pytest.raises(RuntimeError, match=r"call's site 1 query was modified in place"):
         torch.autograd.grad([o for o, _ in outs], leaves, [torch.ones_like(sources[0])] * 2)
     # the backward reads the logits the forward returned: changed in place, they are refused too
-    outs = mhar_route_pair(sources, sites, num_heads=H, eps=EPS, backend="triton")
+    outs = mhar_route_sites(sources, sites, num_heads=H, eps=EPS, backend="triton")
     outs[0][1].sub_(outs[0][1].amax(dim=0))  # a user's in-place normalisation of site 0's logits
     with pytest.raises(RuntimeError, match=r"call's site 0 routing logits \(an output\) was modified in place"):
         torch.autograd.grad([o for o, _ in outs], leaves, [torch.ones_like(sources[0])] * 2)
+
+
+def block(H, d, S, T, dtype, count):
+    """`count` sites' leaves over one set of sources: [*sources, *site_0, ..., *site_{count-1}]."""
+    draws = [site(H, d, S, T, dtype) for _ in range(count)]
+    return draws[0][1 : 1 + S] + [p for draw in draws for p in draw[1 + S :]]
+
+
+# a block of 2 and of 4 layers (4 and 8 sites) through the block forward kernel and the block's pairs in one
+# stats launch, and through the two-site kernels pass by pair: odd widths, 8 sources, one head
+@pytest.mark.parametrize(
+    "H,d,S,T,count,per_pass,grouped",
+    [(*SHAPES[0], 4, 4, True), (*SHAPES[4], 8, 8, True), (*SHAPES[9], 4, 4, True), (*SHAPES[4], 4, 2, False)],
+)
+def test_a_blocks_sites_match_torch_and_repeat_bit_for_bit(H, d, S, T, count, per_pass, grouped, poisoned):
+    """Every site's output, logits and gradients (each source's summed over the block's sites) within the
+    file's fp32 bound of the torch backend, and the same bits on a second run, whichever kernels a
+    block's call takes (the launch tables' `sites` a forward pass, `grouped` stats)."""
+    tables = rt.DEFAULT_TABLES.replace(fwd_sites={S: {"sites": per_pass}}, stats_pair={S: {"grouped": grouped}})
+    leaves = block(H, d, S, T, torch.float32, count)
+    grad_outs = [torch.randn_like(leaves[0]) for _ in range(count)]
+
+    def routed(backend, tables=None):
+        sources = [routing_source(s, backend) for s in leaves[:S]]
+        sites = [leaves[S + 4 * k : S + 4 * k + 4] for k in range(count)]
+        if backend == "torch":
+            outs = mhar_route_sites(sources, sites, num_heads=H, eps=EPS, backend="torch")
+        else:
+            outs = route_sites_eager(sources, sites, num_heads=H, eps=EPS, tables=tables)
+        grads = torch.autograd.grad([o for o, _ in outs], leaves, grad_outs)
+        return [o for o, _ in outs] + [lg for _, lg in outs] + list(grads)
+
+    ref, first, second = routed("torch"), routed("triton", tables), routed("triton", tables)
+    tags = [f"site{k}" for k in range(count)]
+    names_ = [f"out_{t}" for t in tags] + [f"logits_{t}" for t in tags] + [f"source{i}" for i in range(S)]
+    names_ += [f"{p}_{t}" for t in tags for p in PARAMS]
+    scales = {}
+    for k, tag in enumerate(tags):
+        params = leaves[S + 4 * k : S + 4 * k + 4]
+        one = condition_scales([torch.zeros_like(leaves[0]), *leaves[:S], *params], S, H, grad_outs[k])
+        for name, value in one.items():
+            key = name if name.startswith("source") else f"{name}_{tag}"
+            scales[key] = scales.get(key, 0.0) + value
+    for name, r, a, b in zip(names_, ref, first, second, strict=True):
+        assert not torch.isnan(a).any(), f"{name}: unwritten elements"
+        err = (a.double() - r.double()).abs().max().item() / scale_of(name, r, scales)
+        assert err <= 1e-5, f"{(H, d, S, T)} {name}: {err:.2e}"
+        assert torch.equal(a, b), f"{name}: two runs differ"

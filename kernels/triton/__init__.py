@@ -3,11 +3,13 @@
 What runs, by path (module.function; the kernels, in `forward` and `backward`, launch from `host`):
 
 Eager path (backend "triton", what training runs; autograd.Function, no custom-op dispatch):
-- forward: `autograd.route_eager` -> `autograd._Route.forward` -> `host.forward` (two sites:
-  `route_pair_eager` -> `_RoutePair.forward` -> `host.forward_pair`); marked sources' norms from
-  `shared.GradSlot.source_rstd` -> `host.source_rstd`. Without grad `host.forward` is called directly.
-- backward: `autograd._Route.backward` (or `_RoutePair.backward`) -> `host.backward_stats` (or
-  `host.backward_stats_pair`; the stats kernel, then `host.finish_param_grads`) -> `host.backward_mix`,
+- forward: `autograd.route_eager` -> `autograd._Route.forward` -> `host.forward` (a block's sites:
+  `route_sites_eager` -> `_RouteSites.forward` -> `host.forward_sites`, the block kernel or
+  `host.forward_pair` per pass); marked sources' norms from `shared.GradSlot.source_rstd` ->
+  `host.source_rstd`. Without grad the host forward is called directly.
+- backward: `autograd._Route.backward` (or `_RouteSites.backward`) -> `host.backward_stats` (or
+  `host.backward_stats_pair`, a block's pairs in one launch; the stats kernel, then
+  `host.finish_param_grads`) -> `host.backward_mix`,
   or, when every source is shared, `shared.backward_mix_shared` (a `shared.MixGroup` that runs
   `host.backward_mix` once for several calls, launch.MIX["calls"] at most). A shared source's sum is finished by
   `shared._SharedGrad.backward` -> `shared.finish_shared` -> `host.apply_norm_term`.

@@ -15,13 +15,14 @@
 Both return the routing logits [N, *shape[:-1], H] (fp32, the null's first) beside the output:
 the backward reads them rather than recomputing them, and statistics take their softmax.
 
-- `route_pair_eager`: `route_eager` for two sites over the same sources (a layer's two sites),
-  each source read once by one forward pass and one stats pass for both.
+- `route_sites_eager`: `route_eager` for several sites over the same sources (a block's sites):
+  the forward reads each source once for several sites (host.forward_sites), each stats pass once
+  for two.
 
 Which path runs is the caller's choice, by function (or kernels.routing's backend name:
-"triton_op" for `route_op`, "triton" for `route_eager` and `route_pair_eager`). One rule is
+"triton_op" for `route_op`, "triton" for `route_eager` and `route_sites_eager`). One rule is
 declared here, with torch.compile's `substitute_in_graph`: a graph that Dynamo traces through
-`route_eager` (or `route_pair_eager`) gets `route_op` in its place, since the eager path's
+`route_eager` (or `route_sites_eager`) gets `route_op` in its place, since the eager path's
 autograd.Function and launcher cannot be traced.
 """
 
@@ -221,69 +222,80 @@ def route_eager(
     return _Route.apply(x, null, query, norm_weight, gate, num_heads, eps, tables, out_dtype, param_dtype, *sources)
 
 
-class _RoutePair(torch.autograd.Function):
-    """Two sites over the same sources (a layer's two sites): one forward pass and one stats pass
-    read each source once for both; otherwise `_Route`, twice."""
+class _RouteSites(torch.autograd.Function):
+    """Sites over the same sources (a block's, the model's call): `host.forward_sites` routes them in
+    passes that read each source once for several sites; the backward, once every output's gradient
+    is in, runs one stats pass per two sites (each source read once for both); otherwise `_Route`,
+    once per site."""
 
     @staticmethod
     def forward(ctx, num_heads, eps, tables, out_dtype, param_dtype, n_params, *inputs):
         params, sources = inputs[:n_params], inputs[n_params:]
         work = in_dtype(params, param_dtype)
-        sites = (host.Site(*work[:4]), host.Site(*work[4:]))
+        sites = tuple(host.Site(*work[at : at + 4]) for at in range(0, n_params, 4))
         ctx.slots = shared.grad_slots(sources)
         rstds = _marked_rstds(sources, ctx.slots, eps, tables)
-        (out_a, lg_a), (out_b, lg_b) = host.forward_pair(sources, sites, num_heads, eps, tables, rstds, out_dtype)
-        ctx.num_heads, ctx.eps, ctx.rstds, ctx.tables, ctx.num_sites = num_heads, eps, rstds, tables, 2
+        results = host.forward_sites(sources, sites, num_heads, eps, tables, rstds, out_dtype)
+        logits = tuple(lg for _, lg in results)
+        ctx.num_heads, ctx.eps, ctx.rstds, ctx.tables, ctx.num_sites = num_heads, eps, rstds, tables, len(sites)
         ctx.sites = sites
-        ctx.inputs, ctx.logits = inputs, (lg_a, lg_b)  # kept on ctx, not saved: as in _Route
-        ctx.versions = [t._version for t in (*inputs, lg_a, lg_b)]
-        ctx.mark_non_differentiable(lg_a, lg_b)
+        ctx.inputs, ctx.logits = inputs, logits  # kept on ctx, not saved: as in _Route
+        ctx.versions = [t._version for t in (*inputs, *logits)]
+        ctx.mark_non_differentiable(*logits)
         ctx.set_materialize_grads(False)
-        return out_a, lg_a, out_b, lg_b
+        return tuple(t for result in results for t in result)
 
     @staticmethod
-    def backward(ctx, grad_a, _glg_a, grad_b, _glg_b):
+    def backward(ctx, *grads):
         inputs, logits = _unpack_inputs(ctx)
-        params, sources = (inputs[:4], inputs[4:8]), inputs[8:]  # the parameters: their gradients' dtypes
+        n_params = 4 * ctx.num_sites
+        params = [inputs[at : at + 4] for at in range(0, n_params, 4)]  # their gradients' dtypes
+        sources = inputs[n_params:]
         sites, ctx.sites = ctx.sites, None
         rstds, ctx.rstds = ctx.rstds, None
-        nothing = (None,) * (6 + len(inputs))
-        reached = [
-            (g, lg, s, p) for g, lg, s, p in zip((grad_a, grad_b), logits, sites, params, strict=True) if g is not None
-        ]
-        if not reached:  # neither output reached the loss
-            return nothing
+        grad_outs = grads[::2]  # each site's output; the logits get none
+        reached = [k for k, g in enumerate(grad_outs) if g is not None]
+        if not reached:  # no output reached the loss
+            return (None,) * (6 + len(inputs))
         shared.check_open(ctx.slots)
-        if len(reached) == 2 and ctx.tables.stats_pair[len(sources)] is not None:
-            results = host.backward_stats_pair(
-                (grad_a, grad_b), logits, sources, sites, ctx.num_heads, ctx.eps, rstds, ctx.tables, grads_like=params
-            )
-        else:  # one site reached the loss, or the table asks for two single-site passes (an entry None)
-            results = [
-                host.backward_stats(g, lg, sources, *site, ctx.num_heads, ctx.eps, rstds, ctx.tables, grad_like=like)
-                for g, lg, site, like in reached
-            ]
-        # the second site's first, as autograd would run two separate calls (the later one first):
-        # the sums come out in the same order, so bit for bit the same
-        calls = [r[0] for r in results][::-1]
-        if all(slot is not None for slot in ctx.slots):
-            for call in calls:
-                shared.backward_mix_shared(call, sources, ctx.slots, ctx.num_heads, ctx.tables)
-            dsrcs = [None] * len(sources)
-        else:  # one mix pass serves several calls only over shared sources: one each, summed
-            dsrcs = host.backward_mix(calls[:1], sources, ctx.slots, ctx.num_heads, ctx.tables)
-            for call in calls[1:]:
+        results, summed = {}, None  # summed: unshared sources' gradients, one mix pass per call
+        # the last sites first, two a pass, as autograd would run one call per layer (the later one first)
+        pairs = [reached[max(0, at - 2) : at] for at in range(len(reached), 0, -2)]
+        shape = ctx.tables.stats_pair[len(sources)]
+        whole = [pair for pair in pairs if len(pair) == 2] if shape else []
+        # the whole pairs in one launch, or one launch a pair, as the table says
+        for paired in [[k for pair in whole for k in pair]] if shape and shape["grouped"] else whole:
+            both = host.backward_stats_pair(
+                [grad_outs[k] for k in paired], [logits[k] for k in paired], sources, [sites[k] for k in paired],
+                ctx.num_heads, ctx.eps, rstds, ctx.tables, grads_like=[params[k] for k in paired],
+            )  # fmt: skip
+            results.update(zip(paired, both, strict=True))
+        for k in reached:  # a site whose pair did not reach the loss, or the table asks for single-site passes
+            if k not in results:
+                results[k] = host.backward_stats(
+                    grad_outs[k], logits[k], sources, *sites[k], ctx.num_heads, ctx.eps, rstds, ctx.tables,
+                    grad_like=params[k],
+                )  # fmt: skip
+        for pair in pairs:
+            # the pair's second site first, as two separate calls would sum them: bit for bit the same sums
+            for call in [results[k][0] for k in pair][::-1]:
+                if all(slot is not None for slot in ctx.slots):
+                    shared.backward_mix_shared(call, sources, ctx.slots, ctx.num_heads, ctx.tables)
+                    continue
                 more = host.backward_mix([call], sources, ctx.slots, ctx.num_heads, ctx.tables)
-                dsrcs = [a if a is None else a.add_(b) for a, b in zip(dsrcs, more, strict=True)]
-        grads = iter(r[1:] for r in results)
-        dparams = [next(grads) if g is not None else (None,) * 4 for g in (grad_a, grad_b)]
-        return (None,) * 6 + (*dparams[0], *dparams[1], *dsrcs)
+                summed = (
+                    more
+                    if summed is None
+                    else [a if a is None else a.add_(b) for a, b in zip(summed, more, strict=True)]
+                )
+        dsrcs = summed if summed is not None else [None] * len(sources)
+        dparams = [results[k][1:] if k in results else (None,) * 4 for k in range(ctx.num_sites)]
+        return (None,) * 6 + tuple(g for site in dparams for g in site) + tuple(dsrcs)
 
 
-def route_pair_eager(
+def route_sites_eager(
     sources: Sequence[torch.Tensor],
-    site_a: Sequence[torch.Tensor],
-    site_b: Sequence[torch.Tensor],
+    sites: Sequence[Sequence[torch.Tensor]],
     *,
     num_heads: int,
     eps: float,
@@ -291,21 +303,19 @@ def route_pair_eager(
     out_dtype: torch.dtype | None = None,
     param_dtype: torch.dtype | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Two sites over the same sources through `_RoutePair`: per site (gate * R in `out_dtype`,
-    default its parameters'; routing logits [N, *shape[:-1], H] fp32). Each site is (null,
-    query, norm weight, gate); `param_dtype` as in `route_eager`. Without anything to
-    differentiate the forward kernel is launched directly, as in `route_eager`."""
+    """Sites over the same sources (a block's) through `_RouteSites`: per site (gate * R in
+    `out_dtype`, default its parameters'; routing logits [N, *shape[:-1], H] fp32). Each site is (null,
+    query, norm weight, gate); `param_dtype` as in `route_eager`. Without anything to differentiate
+    the forward kernels are launched directly, as in `route_eager`."""
     tables = tables or DEFAULT_TABLES
-    params = (*site_a, *site_b)
+    params = tuple(t for site in sites for t in site)
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (*params, *sources)):
         rstds = _marked_rstds(sources, shared.grad_slots(sources), eps, tables)
         work = in_dtype(params, param_dtype)
-        sites = (host.Site(*work[:4]), host.Site(*work[4:]))
-        return host.forward_pair(sources, sites, num_heads, eps, tables, rstds, out_dtype)
-    out_a, lg_a, out_b, lg_b = _RoutePair.apply(
-        num_heads, eps, tables, out_dtype, param_dtype, len(params), *params, *sources
-    )
-    return [(out_a, lg_a), (out_b, lg_b)]
+        cast = tuple(host.Site(*work[at : at + 4]) for at in range(0, len(work), 4))
+        return host.forward_sites(sources, cast, num_heads, eps, tables, rstds, out_dtype)
+    flat = _RouteSites.apply(num_heads, eps, tables, out_dtype, param_dtype, len(params), *params, *sources)
+    return [(flat[at], flat[at + 1]) for at in range(0, len(flat), 2)]
 
 
 def in_dtype(params: Sequence[torch.Tensor], dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:
@@ -360,11 +370,10 @@ def _route_eager_in_graph(
     return _route_op_cast(x, sources, (null, query, norm_weight, gate), num_heads, eps, out_dtype, param_dtype)
 
 
-@torch.compiler.substitute_in_graph(route_pair_eager)
-def _route_pair_eager_in_graph(
+@torch.compiler.substitute_in_graph(route_sites_eager)
+def _route_sites_eager_in_graph(
     sources: Sequence[torch.Tensor],
-    site_a: Sequence[torch.Tensor],
-    site_b: Sequence[torch.Tensor],
+    sites: Sequence[Sequence[torch.Tensor]],
     *,
     num_heads: int,
     eps: float,
@@ -372,8 +381,8 @@ def _route_pair_eager_in_graph(
     out_dtype: torch.dtype | None = None,
     param_dtype: torch.dtype | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """What torch.compile traces in place of `route_pair_eager`: `route_op` once per site."""
-    return [_route_op_cast(None, sources, site, num_heads, eps, out_dtype, param_dtype) for site in (site_a, site_b)]
+    """What torch.compile traces in place of `route_sites_eager`: `route_op` once per site."""
+    return [_route_op_cast(None, sources, site, num_heads, eps, out_dtype, param_dtype) for site in sites]
 
 
 def _route_op_cast(x, sources, site, num_heads: int, eps: float, out_dtype, param_dtype):

@@ -27,6 +27,7 @@ from kernels.triton.tiles import (
     lead_tiles,
     load_raw,
     param,
+    pick,
     row_rstd,
     row_tile_offsets,
     store,
@@ -75,12 +76,12 @@ def _stats_row(
 
 @triton.jit
 def _store_partials(
-    PARTS, t, w0do, dl0, dgate, cols, mask, D: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr, EVEN: tl.constexpr
-):
-    """This program's sums over its rows, in its slot of the partials (_partials)."""
-    pid = tl.program_id(0)
+    PARTS, pid, slots, t, w0do, dl0, dgate, cols, mask,
+    D: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """This program's sums over its rows, in its slot `pid` of the `slots` partials (_partials)."""
     hv = tl.arange(0, BLOCK_H)
-    T_PART, W0DO_PART, DL0_PART, DGATE_PART = _partials(PARTS, tl.num_programs(0), D, H)
+    T_PART, W0DO_PART, DL0_PART, DGATE_PART = _partials(PARTS, slots, D, H)
     part = pid.to(tl.int64) * D + cols
     store(T_PART + part, t, mask, EVEN)
     store(W0DO_PART + part, w0do, mask, EVEN)
@@ -120,6 +121,7 @@ def route_bwd_stats_kernel(
     KNOWN: tl.constexpr,
     SITES: tl.constexpr,
     PREFETCH: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
     # Per row and head, with c_n = <dout_h, s_n,h>, l_n = rstd_n <(q g)_h, s_n,h> the logits the
     # forward saved (LG, [N, M, H], the null's in plane 0), w = softmax_n(l_n),
@@ -136,9 +138,23 @@ def route_bwd_stats_kernel(
     # are read, not recomputed: the first pass has one product per site and source to sum, and
     # the query and norm weight are not read at all.
     # SITES = 2: a second site over the same sources (DOUT2 .. PARTS2), each source read once for both.
+    # GROUPS: the per-site arguments are tuples, one entry per group of sites over the same sources (a
+    # block's layers); program p serves group p % GROUPS, so that the programs of one row block run side by
+    # side and all but the first find the block's sources in L2.
     # PREFETCH: a row's first loads (its output gradients and first two sources) are issued while
     # the row before finishes (its softmax, coefficients and second pass), so a program, one per
     # SM, always has loads in flight; without it each row starts by waiting for memory.
+    group = tl.program_id(0) % GROUPS
+    slot, slots = tl.program_id(0) // GROUPS, tl.num_programs(0) // GROUPS
+    DOUT, NULL, LG, GATE = (
+        pick(DOUT, group, GROUPS),
+        pick(NULL, group, GROUPS),
+        pick(LG, group, GROUPS),
+        pick(GATE, group, GROUPS),
+    )
+    COEF, PARTS = pick(COEF, group, GROUPS), pick(PARTS, group, GROUPS)
+    DOUT2, NULL2, LG2 = pick(DOUT2, group, GROUPS), pick(NULL2, group, GROUPS), pick(LG2, group, GROUPS)
+    GATE2, COEF2, PARTS2 = pick(GATE2, group, GROUPS), pick(COEF2, group, GROUPS), pick(PARTS2, group, GROUPS)
     cols, mask = row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
     nn = tl.arange(0, BLOCK_N)[None, :]
     hw = tl.arange(0, BLOCK_H)[:, None]
@@ -155,7 +171,7 @@ def route_bwd_stats_kernel(
         w0do2 = tl.zeros([BLOCK_H, BLOCK_S, BLOCK_I], tl.float32)
         dl02 = tl.zeros([BLOCK_H], tl.float32)
         dgate2 = tl.zeros([BLOCK_H], tl.float32)
-    start = tl.program_id(0).to(tl.int64) * ROWS
+    start = slot.to(tl.int64) * ROWS
     if PREFETCH:
         n_do, n_do2, n_a, n_b = lead_tiles(DOUT, DOUT2, SRCS, start * D + cols, mask & (start < M), NUM_SRC, SITES)
     for r in range(ROWS):
@@ -221,9 +237,9 @@ def route_bwd_stats_kernel(
             t += bs[i][:, None, None] * s
             if SITES > 1:
                 t2 += bs2[i][:, None, None] * s
-    _store_partials(PARTS, t, w0do, dl0, dgate, cols, mask, D, H, BLOCK_H, EVEN)
+    _store_partials(PARTS, slot, slots, t, w0do, dl0, dgate, cols, mask, D, H, BLOCK_H, EVEN)
     if SITES > 1:
-        _store_partials(PARTS2, t2, w0do2, dl02, dgate2, cols, mask, D, H, BLOCK_H, EVEN)
+        _store_partials(PARTS2, slot, slots, t2, w0do2, dl02, dgate2, cols, mask, D, H, BLOCK_H, EVEN)
 
 
 @triton.jit

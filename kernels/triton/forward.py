@@ -23,6 +23,7 @@ from kernels.triton.tiles import (
     load_raw,
     null_logit,
     param,
+    pick,
     row_rstd,
     row_tile_offsets,
     store,
@@ -167,3 +168,84 @@ def route_fwd_kernel(
         if SITES > 1:
             store(OUT2 + base + cols, acc2, row_mask, EVEN)
             tl.store(LG2 + lg_offs, logits2, mask=w_mask & (row < M))
+
+
+@triton.jit
+def route_fwd_sites_kernel(
+    SRCS,
+    RSTDS,
+    NULLS,
+    QS,
+    GS,
+    GATES,
+    OUTS,
+    LGS,
+    M,
+    eps,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    NUM_SRC: tl.constexpr,
+    SITES: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+    EVEN: tl.constexpr,
+    JOINT: tl.constexpr,
+):
+    # A block's sites over the same sources (SITES of them; NULLS .. LGS hold one entry per site), gate * R
+    # without x. Per row the sites take turns, each with route_fwd_kernel's two passes (logits, then the
+    # weighted sum); the first site's first pass brings the row's sources into L1, where every later pass
+    # finds them, so each source is read from memory once for all the sites. The loop over sites runs at
+    # run time: unrolled, the compiler merged the sites' loads of the same tiles and held them in registers
+    # (190 at 8 sources and 8 sites, against 128 now, whatever SITES is: benchmarks.compile_report). Every
+    # source's 1 / rms per row is given (RSTDS): no full-width sum here.
+    cols, mask = row_tile_offsets(BLOCK_H, BLOCK_S, BLOCK_I, H, K)
+    nn = tl.arange(0, BLOCK_N)[None, :]
+    hw = tl.arange(0, BLOCK_H)[:, None]
+    w_mask = (nn < NUM_SRC + 1) & (hw < H)
+    start = tl.program_id(0).to(tl.int64) * ROWS
+    for r in range(ROWS):
+        row = start + r
+        row_mask = mask & (row < M)
+        base = row * D
+        rstds = ()
+        for i in tl.static_range(NUM_SRC):
+            rstds = rstds + (row_rstd(RSTDS[i], row, M, EVEN),)
+        for k in range(SITES):
+            null, q, g = pick(NULLS, k, SITES), pick(QS, k, SITES), pick(GS, k, SITES)
+            z_logit = null_logit(null, q, g, cols, mask, D, eps, JOINT)
+            qg = param(q, cols, mask) * param(g, cols, mask)
+            m = z_logit
+            logits = tl.where(nn == 0, z_logit[:, None], 0.0)
+            lgs = ()
+            # loads two sources ahead of the reductions (from memory for the first site, L1 after)
+            s_a = load_raw(SRCS[0] + base + cols, row_mask, EVEN)
+            s_b = s_a
+            if NUM_SRC > 1:
+                s_b = load_raw(SRCS[1] + base + cols, row_mask, EVEN)
+            for i in tl.static_range(NUM_SRC):
+                s = s_a.to(tl.float32)
+                if i + 1 < NUM_SRC:
+                    s_a = s_b
+                if i + 2 < NUM_SRC:
+                    s_b = load_raw(SRCS[i + 2] + base + cols, row_mask, EVEN)
+                lg = head_sum(s * qg) * rstds[i]
+                m = tl.maximum(m, lg)
+                logits = tl.where(nn == i + 1, lg[:, None], logits)
+                lgs = lgs + (lg,)
+            w = tl.where(w_mask, tl.exp(logits - m[:, None]), 0.0)
+            inv = 1.0 / tl.sum(w, axis=1)
+            gate = tl.load(pick(GATES, k, SITES)).to(tl.float32)
+            acc = (tl.exp(z_logit - m) * inv * gate)[:, None, None] * param(null, cols, mask)
+            # re-read (from L1) with a cache hint the first pass's loads lack, so that the compiler does not merge
+            # the two loads and keep every source's tile in registers across the softmax
+            for i in tl.static_range(NUM_SRC):
+                s = tl.load(SRCS[i] + base + cols, mask=row_mask, other=0.0, eviction_policy="evict_last")
+                s = s.to(tl.float32)
+                acc += (tl.exp(lgs[i] - m) * inv * gate)[:, None, None] * s
+            store(pick(OUTS, k, SITES) + base + cols, acc, row_mask, EVEN)
+            lg_offs = nn * (M * H) + row * H + hw
+            tl.store(pick(LGS, k, SITES) + lg_offs, logits, mask=w_mask & (row < M))

@@ -1,7 +1,7 @@
 """Host wrappers of the routing kernels: check, allocate and launch one forward, stats, mix or finishing pass.
 
-Forward: `forward`, `forward_pair`. The eager path's backward (autograd.py's Functions):
-`backward_stats` or `backward_stats_pair`, then `backward_mix` (or shared.backward_mix_shared).
+Forward: `forward`, `forward_pair`, `forward_sites` (a block's sites). The eager path's backward (autograd.py's
+Functions): `backward_stats` or `backward_stats_pair`, then `backward_mix` (or shared.backward_mix_shared).
 `custom_op_backward` chains the same two for the custom op's `route_bwd` alone.
 Each takes a `LaunchTables` (launch.DEFAULT_TABLES unless a benchmark passes another) and
 reads the allocation and launcher seams through the `launch` module (its docstring lists them).
@@ -89,6 +89,58 @@ def forward_pair(
     return _forward(None, sources, tuple(sites), num_heads, eps, tables, rstds, out_dtype)
 
 
+def forward_sites(
+    sources: Sequence[torch.Tensor],
+    sites: Sequence[Site],
+    num_heads: int,
+    eps: float,
+    tables: LaunchTables = DEFAULT_TABLES,
+    rstds: Sequence[torch.Tensor | None] = (),
+    out_dtype: torch.dtype | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Any number of sites over the same sources (a block's): per site (gate * R in `out_dtype`, default
+    its parameters', and its routing logits), as `forward` without x. The sites go in passes of at
+    most `tables.fwd_sites[N]["sites"]`, each reading every source once: a pass of one site takes
+    the single-site kernel, of two the two-site kernel, of more the block kernel, which needs every
+    source's 1 / rms (computed here where `rstds` lacks one)."""
+    if not sites:
+        raise ValueError("forward_sites routes at least one site")
+    check_inputs(None, sources)
+    per_pass = tables.fwd_sites[len(sources)]["sites"]
+    results = []
+    for at in range(0, len(sites), per_pass):
+        group = tuple(sites[at : at + per_pass])
+        if len(group) <= 2:
+            results += _forward(None, sources, group, num_heads, eps, tables, rstds, out_dtype)
+        else:
+            results += _forward_block(sources, group, num_heads, eps, tables, rstds, out_dtype)
+    return results
+
+
+def _forward_block(sources, sites, num_heads, eps, tables, rstds, out_dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    srcs = tuple(s.contiguous() for s in sources)
+    given = tuple(rstds) or (None,) * len(srcs)
+    rstd_ptrs = tuple(source_rstd(s, eps, tables) if r is None else r for s, r in zip(srcs, given, strict=True))
+    d = srcs[0].shape[-1]
+    m = srcs[0].numel() // d
+    outs = tuple(launch.empty(srcs[0].shape, device=srcs[0].device, dtype=out_dtype or s.query.dtype) for s in sites)
+    lg_shape = (len(srcs) + 1, *srcs[0].shape[:-1], num_heads)
+    logits = tuple(launch.empty(lg_shape, device=srcs[0].device, dtype=torch.float32) for _ in sites)
+    interp = interpreting()
+    shape = tables.fwd_sites[len(srcs)]
+    rows = cpu_rows(m) if interp else shape["rows"]
+    grid, warps, consts = launch.sites_launch(
+        m, d, num_heads, len(srcs), srcs[0].element_size(), rows, shape["warps_per_4096"], not interp, len(sites)
+    )
+    params = [tuple(t.contiguous() for t in site) for site in sites]
+    nulls, queries, norm_weights, gates = (tuple(p[j] for p in params) for j in range(4))
+    launch.sites_launcher(
+        grid, warps, consts, srcs, rstd_ptrs, nulls, queries, norm_weights, gates, outs, logits, m, eps,
+        maxnreg=None if interp else shape["maxnreg"],
+    )  # fmt: skip
+    return list(zip(outs, logits, strict=True))
+
+
 def _forward(x, sources, sites, num_heads, eps, tables, rstds, out_dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     check_inputs(x, sources)
     srcs = tuple(s.contiguous() for s in sources)
@@ -161,16 +213,18 @@ def backward_stats_pair(
     eps: float,
     rstds: Sequence[torch.Tensor | None] = (),
     tables: LaunchTables = DEFAULT_TABLES,
-    grads_like: Sequence[Sequence[torch.Tensor] | None] = (None, None),
+    grads_like: Sequence[Sequence[torch.Tensor] | None] | None = None,
 ) -> list[tuple[MixCall, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """`backward_stats` for two sites over the same sources in one pass (each source read once),
-    per site (`logits`: each site's forward's); `grads_like`: per site, as `backward_stats`'s
-    `grad_like`."""
-    if not len(sites) == len(grad_outs) == len(logits) == 2:
+    """`backward_stats` for pairs of sites over the same sources (2, 4, ... sites: a layer's, a block's)
+    in one launch: each program serves two sites (each source read once for both), and the pairs'
+    programs of a row block run side by side (all but the first find the sources in L2). Per site, as
+    `backward_stats` (`logits`: each site's forward's; `grads_like`: per site, as its `grad_like`)."""
+    if not len(sites) == len(grad_outs) == len(logits) or len(sites) % 2 or not sites:
         raise ValueError(
-            f"backward_stats_pair takes two sites, two output gradients and two logits, got {len(sites)}, "
-            f"{len(grad_outs)}, {len(logits)}"
+            f"backward_stats_pair takes pairs of sites with an output gradient and logits each, got {len(sites)} "
+            f"sites, {len(grad_outs)} output gradients, {len(logits)} logits"
         )
+    grads_like = grads_like or (None,) * len(sites)
     return _backward_stats(grad_outs, logits, sources, tuple(sites), num_heads, eps, rstds, tables, grads_like)
 
 
@@ -191,7 +245,8 @@ def _backward_stats(grad_outs, logits, sources, sites, num_heads, eps, rstds, ta
     srcs = tuple(s.contiguous() for s in sources)
     params = [Site(*(t.contiguous() for t in site)) for site in sites]
     interp = interpreting()
-    shape = (tables.stats if len(sites) == 1 else tables.stats_pair)[n]
+    per_program = 1 if len(sites) == 1 else 2
+    shape = (tables.stats if per_program == 1 else tables.stats_pair)[n]
     rows = cpu_rows(m) if interp else shape["rows"]
     parts = cdiv(m, rows)
     # One allocation per site: the coefficients [3, N, m, H], then the per-program partials.
@@ -201,17 +256,21 @@ def _backward_stats(grad_outs, logits, sources, sites, num_heads, eps, rstds, ta
         for _ in sites
     ]
     known, rstd_ptrs = _known_rstds(rstds if shape["given_rstd"] else (), n, works[0])
-    grid, warps, consts = launch.row_launch(
-        m, d, num_heads, n, douts[0].element_size(), rows, shape["warps_per_4096"], not interp, known, None, len(sites),
-        shape["prefetch"],
+    groups = len(sites) // per_program
+    grid, warps, consts = launch.stats_launch(
+        m, d, num_heads, n, douts[0].element_size(), rows, shape["warps_per_4096"], not interp, known, per_program,
+        shape["prefetch"], groups,
     )  # fmt: skip
     cap = None if interp else shape["maxnreg"]
     per_site = [
         (dout, site.null, lg, site.gate, work[:coef_size], work[coef_size:])
         for dout, lg, site, work in zip(douts, logits, params, works, strict=True)
     ]
-    first, last = per_site[0], per_site[-1]  # the second site's arguments are not read with one site
-    launch.stats_launcher(grid, warps, consts, first[0], srcs, rstd_ptrs, *first[1:], *last, m, eps, maxnreg=cap)
+    # per kernel argument, a tuple over the groups: each group's first site, then its second (its first
+    # again with one site a program: not read)
+    first = [tuple(column) for column in zip(*per_site[::per_program], strict=True)]
+    second = [tuple(column) for column in zip(*per_site[per_program - 1 :: per_program], strict=True)]
+    launch.stats_launcher(grid, warps, consts, first[0], srcs, rstd_ptrs, *first[1:], *second, m, eps, maxnreg=cap)
     results = []
     for dout, site, work, like in zip(douts, params, works, grads_like, strict=True):
         grads = finish_param_grads(work[coef_size:], parts, *site, num_heads, eps, tables, like)

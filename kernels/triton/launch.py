@@ -1,7 +1,7 @@
 """Launch tables and the launcher of the routing kernels: the one module that touches Triton's internals.
 
-Launch shapes are per kernel tables (`FWD`, `STATS`, their two-site `FWD_PAIR`, `STATS_PAIR`, and
-`MIX`, `NORM`, `RSTD`, `FINISH`, gathered in `DEFAULT_TABLES`); the host wrappers take a
+Launch shapes are per kernel tables (`FWD`, `STATS`, their two-site `FWD_PAIR`, `STATS_PAIR`, the block
+forward's `FWD_SITES`, and `MIX`, `NORM`, `RSTD`, `FINISH`, gathered in `DEFAULT_TABLES`); the host wrappers take a
 `LaunchTables` argument, so a benchmark tunes them by passing another one
 (`DEFAULT_TABLES.replace(...)`), never by assigning into these dicts.
 `Launcher` launches a compiled kernel through its binary (Triton's `CompiledKernel.run`, a
@@ -10,7 +10,7 @@ private API), after the first call of each specialisation went through Triton it
 Test seams (what tests may monkeypatch, and the host code reads through this module's
 attributes at every call so that a patch takes effect):
 - `empty`, `empty_like`: every buffer the op allocates (tests fill them with NaN);
-- the launchers `fwd_launcher`, `stats_launcher`, `mix_launcher`, `norm_launcher`,
+- the launchers `fwd_launcher`, `sites_launcher`, `stats_launcher`, `mix_launcher`, `norm_launcher`,
   `rstd_launcher`, `finish_launcher` (tests count launches);
 - the default tables' entries, e.g. `monkeypatch.setitem(launch.MIX, "calls", 1)`: the dicts
   that `DEFAULT_TABLES` holds, so an item patched here is what the default launches use.
@@ -31,7 +31,7 @@ from kernels.triton.backward import (
     route_bwd_norm_kernel,
     route_bwd_stats_kernel,
 )
-from kernels.triton.forward import route_fwd_kernel, source_rstd_kernel
+from kernels.triton.forward import route_fwd_kernel, route_fwd_sites_kernel, source_rstd_kernel
 
 MAX_SOURCES = 8  # the kernels' source pointers: embedding + 7 block deltas (num_blocks <= 8)
 
@@ -74,8 +74,13 @@ FWD_PAIR = {
     for n, (rows, cap, prefetch) in _FWD_PAIR_SHAPES.items()
 }
 STATS_PAIR = {  # from `--tune pair_load`, which runs the kernels after matmuls, as the step does
-    n: {"rows": 64, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True, "prefetch": n <= 3} for n in FWD
-}
+    n: {"rows": 64, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True, "prefetch": n <= 3, "grouped": n >= 4}
+    for n in FWD
+}  # grouped: a block's pairs in one launch (`--tune block`, kernels/NOTES.md)
+# A block's sites over the same sources (host.forward_sites): at most `sites` a pass (2: the two-site
+# kernel, FWD_PAIR's shapes; more: the block kernel, at these rows, warps and register cap). From
+# `--tune block`: the two-site passes were the faster at every source count (kernels/NOTES.md).
+FWD_SITES = {n: {"sites": 2, "rows": 4, "warps_per_4096": 8, "maxnreg": None} for n in FWD}
 MIX = {"block_m": 32, "block_kc": 64, "warps": 4, "calls": 4}  # calls: most calls one pass serves
 NORM = {"block_m": 32, "block_d": 128, "warps": 4}
 RSTD = {"block_r": 4, "block_c": 1024, "warps": 4}
@@ -91,6 +96,7 @@ class LaunchTables:
     stats: Mapping[int, Mapping] = dataclasses.field(default_factory=lambda: STATS)
     fwd_pair: Mapping[int, Mapping] = dataclasses.field(default_factory=lambda: FWD_PAIR)
     stats_pair: Mapping[int, Mapping] = dataclasses.field(default_factory=lambda: STATS_PAIR)
+    fwd_sites: Mapping[int, Mapping] = dataclasses.field(default_factory=lambda: FWD_SITES)
     mix: Mapping = dataclasses.field(default_factory=lambda: MIX)
     norm: Mapping = dataclasses.field(default_factory=lambda: NORM)
     rstd: Mapping = dataclasses.field(default_factory=lambda: RSTD)
@@ -102,7 +108,7 @@ class LaunchTables:
         merged = {}
         for name, change in changes.items():
             current = getattr(self, name)
-            if name in ("fwd", "stats", "fwd_pair", "stats_pair"):
+            if name in ("fwd", "stats", "fwd_pair", "stats_pair", "fwd_sites"):
                 merged[name] = {**current, **{n: {**(current[n] or {}), **shape} for n, shape in change.items()}}
             else:
                 merged[name] = {**current, **change}
@@ -170,6 +176,7 @@ class Launcher:
 
 
 fwd_launcher = Launcher(route_fwd_kernel)
+sites_launcher = Launcher(route_fwd_sites_kernel)
 stats_launcher = Launcher(route_bwd_stats_kernel)
 mix_launcher = Launcher(route_bwd_mix_kernel)
 norm_launcher = Launcher(route_bwd_norm_kernel)
@@ -254,6 +261,30 @@ def row_launch(
     }
     warps = max(1, min(16, pow2(cdiv(d * warps_per_4096, 4096))))
     return (cdiv(m, rows),), warps, consts
+
+
+@functools.cache
+def sites_launch(
+    m: int, d: int, num_heads: int, num_sources: int, itemsize: int, rows: int, warps_per_4096: int, joint: bool,
+    sites: int,
+) -> tuple:  # fmt: skip
+    """(grid, num_warps, constexprs) of the block kernel (route_fwd_sites_kernel), in its signature's order."""
+    grid, warps, consts = row_launch(m, d, num_heads, num_sources, itemsize, rows, warps_per_4096, joint)
+    order = ("D", "H", "K", "NUM_SRC", "SITES", "BLOCK_H", "BLOCK_S", "BLOCK_I", "BLOCK_N", "ROWS", "EVEN", "JOINT")
+    return grid, warps, {name: sites if name == "SITES" else consts[name] for name in order}
+
+
+@functools.cache
+def stats_launch(
+    m: int, d: int, num_heads: int, num_sources: int, itemsize: int, rows: int, warps_per_4096: int, joint: bool,
+    known: int, sites: int, prefetch: bool, groups: int,
+) -> tuple:  # fmt: skip
+    """(grid, num_warps, constexprs) of the stats kernel over `groups` groups of `sites` sites (a program per
+    row block and group)."""
+    grid, warps, consts = row_launch(
+        m, d, num_heads, num_sources, itemsize, rows, warps_per_4096, joint, known, None, sites, prefetch
+    )
+    return (grid[0] * groups,), warps, {**consts, "GROUPS": groups}
 
 
 @functools.cache

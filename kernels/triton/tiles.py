@@ -135,3 +135,13 @@ def lead_tiles(DOUT, DOUT2, SRCS, offs, mask, NUM_SRC: tl.constexpr, SITES: tl.c
         do2 = tl.load(DOUT2 + offs, mask=mask, other=0.0)
     s_a, s_b = lead_sources(SRCS, offs, mask, NUM_SRC)
     return do, do2, s_a, s_b
+
+
+@triton.jit
+def pick(PTRS, k, COUNT: tl.constexpr):
+    """PTRS[k] for a k known only at run time (a tuple of pointers indexed by a loop variable or a
+    program's group): a chain of selects."""
+    ptr = PTRS[0]
+    for j in tl.static_range(1, COUNT):
+        ptr = tl.where(k == j, PTRS[j], ptr)
+    return ptr

@@ -10,12 +10,14 @@ exactly the base model.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torchtitan.models.llama3.model.model import Transformer, TransformerBlock
 from torchtitan.protocols.model import AttentionMasksType
 
-from kernels.routing import mhar_route_pair, mhar_route_with_logits, resolve_backend, routing_source
+from kernels.routing import mhar_route_sites, mhar_route_with_logits, resolve_backend, routing_source
 from mhar_titan.model.args import MHARModelArgs
 
 # Columns of the per-site statistics each block returns (see RoutingSite.stats): these, then the mean
@@ -45,23 +47,15 @@ class RoutingSite(nn.Module):
         nn.init.zeros_(self.null)
         nn.init.zeros_(self.gate)
 
-    def forward(self, sources: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate * R(sources), the routing logits [N, B, T, H]); the block adds the first to its
-        sublayer's input. R depends on the sources alone, not on the stream."""
-        return mhar_route_with_logits(
-            None,
-            sources,
-            self.null,
-            self.query,
-            self.norm_weight,
-            self.gate,
-            num_heads=self.num_heads,
-            eps=self.eps,
-            backend=self.backend,
-        )
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(null, query, norm weight, gate), as the routing op takes a site: views, made where FSDP2 has
+        gathered them. The model calls every site of a block at the block's start, where it routes
+        them together; parallelize.py gives each block's sites one FSDP2 unit, gathered by the first
+        call."""
+        return tuple(p.view_as(p) for p in self.params())  # type: ignore[return-value]
 
     def params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(null, query, norm weight, gate), as the routing op takes a site."""
+        """(null, query, norm weight, gate), the parameters themselves."""
         return self.null, self.query, self.norm_weight, self.gate
 
     @torch.no_grad()
@@ -78,6 +72,20 @@ class RoutingSite(nn.Module):
             raise ValueError(f"a site read {w.shape[0]} sources, more than max_sources = {self.max_sources}")
         head = torch.stack([self.gate.detach().float().reshape(()), entropy])
         return torch.cat([head, per_source, w.new_full((pad,), float("nan"))])
+
+
+class ReferenceRoute(nn.Module):
+    """The torch reference's routing of one site, gate * R and its logits, as a module of its own (no
+    parameters) that parallelize.py checkpoints and compiles per call: the reference saves its
+    stacked fp32 sources and norms for the backward. The fused backends route a block's sites in one
+    call instead (`MHARTransformer.route_block`)."""
+
+    def __init__(self, num_heads: int, eps: float):
+        super().__init__()
+        self.num_heads, self.eps = num_heads, eps
+
+    def forward(self, sources: list[torch.Tensor], *site: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return mhar_route_with_logits(None, sources, *site, num_heads=self.num_heads, eps=self.eps, backend="torch")
 
 
 class BlockBody(nn.Module):
@@ -135,11 +143,17 @@ class MHARBlock(TransformerBlock):
             self.attn_routing = RoutingSite(*site)
             self.ffn_routing = RoutingSite(*site)
             self.set_body(BlockBody(self))
+            self.set_reference(ReferenceRoute(cfg.num_heads, model_args.norm_eps))
 
     def set_body(self, body: nn.Module) -> None:
         """The body to call: a `BlockBody` of this block, possibly wrapped (checkpoint, compile).
         Kept out of the module tree (object.__setattr__), so it adds no parameter names."""
         object.__setattr__(self, "body", body)
+
+    def set_reference(self, reference: nn.Module) -> None:
+        """The torch reference's per-site routing (`ReferenceRoute`, possibly wrapped), out of the
+        module tree as the body is."""
+        object.__setattr__(self, "reference", reference)
 
     def forward(  # type: ignore[override]
         self,
@@ -147,32 +161,27 @@ class MHARBlock(TransformerBlock):
         freqs_cis: torch.Tensor,
         attention_masks: AttentionMasksType | None,
         positions: torch.Tensor | None = None,
-        sources: list[torch.Tensor] | None = None,
+        routed: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
         want_stats: bool = False,
         block_sum: torch.Tensor | None = None,
     ):
-        """Plain block without `sources`; else (output, the running block delta (`BlockBody`), site
-        statistics [2, 2 + num_blocks + 1] or None)."""
-        if sources is None:
+        """Plain block without `routed`; else, given its two sites' (gate * R, routing logits) (the
+        model routes a block's sites at the block's start), (output, the running block delta
+        (`BlockBody`), site statistics [2, 2 + num_blocks + 1] or None)."""
+        if routed is None:
             return super().forward(x, freqs_cis, attention_masks, positions)
         assert self.attn_routing is not None and self.ffn_routing is not None
-        (routed_attn, attn_logits), (routed_ffn, ffn_logits) = self.route(sources)
+        (routed_attn, attn_logits), (routed_ffn, ffn_logits) = routed
         out, delta = self.body(x, routed_attn, routed_ffn, freqs_cis, attention_masks, positions, block_sum)
         if not want_stats:
             return out, delta, None
-        # here, inside the block's forward, where FSDP has gathered the gates
+        # the gates stay gathered from the block's start (parallelize.py: not resharded after forward)
         stats = torch.stack([self.attn_routing.stats(attn_logits), self.ffn_routing.stats(ffn_logits)])
         return out, delta, stats
 
-    def route(self, sources: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Both sites' (gate * R, routing logits). They read the same sources: the fused kernels
-        route them together, reading each source once for both; the torch reference goes site by
-        site, through the site modules parallelize.py checkpoints and compiles one by one."""
-        site_a, site_b = self.attn_routing, self.ffn_routing
-        if resolve_backend(site_a.backend, sources[0].device) == "torch":
-            return [site_a(sources), site_b(sources)]
-        pair = (site_a.params(), site_b.params())
-        return mhar_route_pair(sources, pair, num_heads=site_a.num_heads, eps=site_a.eps, backend=site_a.backend)
+    def sites(self) -> tuple[RoutingSite, RoutingSite]:
+        assert self.attn_routing is not None and self.ffn_routing is not None
+        return self.attn_routing, self.ffn_routing
 
     def init_weights(self):
         super().init_weights()
@@ -225,23 +234,43 @@ class MHARTransformer(Transformer):
         sources = [routing_source(embedding, backend)]
         per_block = self.model_args.layers_per_block
         want_stats = self.collect_routing_stats
-        block_sum = None
+        layers = list(self.layers.values())
         stats = []
-        for i, layer in enumerate(self.layers.values()):
-            h, block_sum, site_stats = layer(
-                h, self.freqs_cis, attention_masks, positions, sources=sources, want_stats=want_stats,
-                block_sum=block_sum,
-            )  # fmt: skip
-            stats.append(site_stats)
-            if i >= self.n_layers - per_block:
-                block_sum = None  # the last block's delta is never a source
-            elif (i + 1) % per_block == 0:
-                # A new list: the layers that read the old one keep it for their backward.
+        for start in range(0, self.n_layers, per_block):
+            block = layers[start : start + per_block]
+            last = start + per_block >= self.n_layers  # the last block's delta is never a source
+            block_sum = None
+            for layer, routed in zip(block, self.route_block(block, sources), strict=True):
+                h, delta, site_stats = layer(
+                    h, self.freqs_cis, attention_masks, positions, routed=routed, want_stats=want_stats,
+                    block_sum=block_sum,
+                )  # fmt: skip
+                block_sum = None if last else delta
+                stats.append(site_stats)
+            if not last:
+                # A new list: the block that read the old one keeps it for its backward.
                 sources = [*sources, routing_source(block_sum, backend)]
-                block_sum = None
         self.routing_stats = torch.stack(stats) if want_stats else None
         h = self.norm(h)
         return self.output(h)
+
+    def route_block(
+        self, block: list[MHARBlock], sources: list[torch.Tensor]
+    ) -> list[tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]:
+        """Every site of a block over the block's sources, at its start: per layer, its attention and
+        MLP sites' (gate * R, routing logits). The fused kernels route them in one call, reading each
+        source once for several sites (kernels.routing.mhar_route_sites); the torch reference site by
+        site, through each layer's `ReferenceRoute`."""
+        cfg = self.model_args.mhar
+        owners = [layer for layer in block for _ in range(2)]
+        sites = [site() for layer in block for site in layer.sites()]  # FSDP2 gathers the block's unit here
+        if resolve_backend(cfg.backend, sources[0].device) == "torch":
+            outs = [layer.reference(sources, *site) for layer, site in zip(owners, sites, strict=True)]
+        else:
+            outs = mhar_route_sites(
+                sources, sites, num_heads=cfg.num_heads, eps=self.model_args.norm_eps, backend=cfg.backend
+            )
+        return [(outs[at], outs[at + 1]) for at in range(0, len(outs), 2)]
 
 
 def build_initialised(model_args: MHARModelArgs, device: str | torch.device = "cpu") -> MHARTransformer:

@@ -19,7 +19,8 @@ import dataclasses
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torchtitan.config import JobConfig
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torchtitan.config import TORCH_DTYPE_MAP, JobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.llama3 import parallelize_llama
@@ -48,6 +49,8 @@ def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobCo
     compile_model = job_config.compile.enable and "model" in job_config.compile.components
     ac = job_config.activation_checkpoint
     wrap_blocks(model, job_config, compile_model)
+    if parallel_dims.fsdp_enabled:
+        shard_routing_units(model, parallel_dims, job_config)
     # torchtitan's AC and compile are applied above; the rest (FSDP2 or DDP) as for the control
     rest = dataclasses.replace(
         job_config,
@@ -104,17 +107,42 @@ class BodyTree(nn.Module):
 def wrap_reference_sites(
     blocks: dict[str, MHARBlock], *, checkpointed: bool, compiled: bool, job_config: JobConfig
 ) -> None:
-    """The torch backend's sites: checkpointed per call (it saves its stacked fp32 sources and
-    norms otherwise) and compiled in place (`nn.Module.compile`, so no name changes)."""
+    """The torch backend's per-site routing (each block's `ReferenceRoute`): checkpointed per call (it
+    saves its stacked fp32 sources and norms otherwise) and compiled in place (`nn.Module.compile`)."""
     ac = job_config.activation_checkpoint
     for block in blocks.values():
-        for name in ("attn_routing", "ffn_routing"):
-            site = getattr(block, name)
-            if checkpointed:
-                site = checkpoint_wrapper(site, preserve_rng_state=False, determinism_check=ac.determinism_check)
-                block.register_module(name, site)
-            if compiled:
-                site.compile(backend=job_config.compile.backend, fullgraph=True)
+        reference = block.reference
+        if checkpointed:
+            reference = checkpoint_wrapper(reference, preserve_rng_state=False, determinism_check=ac.determinism_check)
+        if compiled:
+            reference.compile(backend=job_config.compile.backend, fullgraph=True)
+        block.set_reference(reference)
+
+
+def shard_routing_units(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> None:
+    """Each block's routing sites in one FSDP2 unit of their own, before torchtitan's apply_fsdp shards
+    the layers (which then leaves them out): the model routes a block's sites together at the block's
+    start, before its later layers' units are gathered. Kept gathered from the forward to the backward
+    (a block's sites hold 3 d + 1 parameters each, a few hundred KiB in bf16); their gradients are
+    reduce-scattered when the backward ends. Mesh and mixed precision as torchtitan's parallelize_llama
+    gives its apply_fsdp (torchtitan/models/llama3/infra/parallelize.py); the state-dict names stay the
+    layers' (`layers.N.attn_routing.query`), since the sites stay where they are in the module tree."""
+    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    training = job_config.training
+    fsdp_config = {
+        "mesh": parallel_dims.get_mesh(names),
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+            reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+        ),
+        "reshard_after_forward": False,
+    }
+    if training.enable_cpu_offload:
+        fsdp_config["offload_policy"] = CPUOffloadPolicy()
+    layers = list(model.layers.values())
+    per_block = model.model_args.layers_per_block
+    for start in range(0, len(layers), per_block):
+        fully_shard([site for layer in layers[start : start + per_block] for site in layer.sites()], **fsdp_config)
 
 
 def allow_routing_graphs(num_blocks: int) -> None:

@@ -181,8 +181,10 @@ class Preflight:
         tokens = cfg.training.seq_len * cfg.training.local_batch_size if self.cuda else 64
         t = cfg.training
         attention = f"{t.local_batch_size},{geo.heads},{t.seq_len},{geo.dim // geo.heads}"
-        geometry = dict(dim=geo.dim, num_heads=cfg.mhar.num_heads, max_sources=cfg.mhar.num_blocks + 1, tokens=tokens,
-                        gemm_hidden=geo.hidden, block_elements=geo.layer_params, attention=attention)  # fmt: skip
+        sites = 2 * geo.layers // cfg.mhar.num_blocks  # a block's, at the config's depth: what the run routes at once
+        geometry = dict(dim=geo.dim, num_heads=cfg.mhar.num_heads, max_sources=cfg.mhar.num_blocks + 1, sites=sites,
+                        tokens=tokens, gemm_hidden=geo.hidden, block_elements=geo.layer_params,
+                        attention=attention)  # fmt: skip
         (self.root / "probe").mkdir(parents=True, exist_ok=True)
         rows = _probe(self.root / "probe", self.nproc, self.cuda, geometry)
         for r in rows:

@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the most sources a site reads, the null included ([mhar] num_blocks + 1, RoutingSite.max_sources: "
         "9 for the marin8b configs); every count from 2 (the null and the embedding) is checked",
     )
+    parser.add_argument(
+        "--sites", type=int, default=2, help="routing sites a checked call routes together (a block's: 2 per layer)"
+    )
     parser.add_argument("--tokens", type=int, required=True, help="tokens per checked call and GEMM rows")
     parser.add_argument(
         "--attention",
@@ -81,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--gemm-hidden", type=int, default=None, help="GEMM output width (default: 14336 on a GPU, 3.5 x dim on CPU)"
     )
     args = parser.parse_args(argv)
-    for name in ("dim", "num_heads", "tokens"):
+    for name in ("dim", "num_heads", "tokens", "sites"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.max_sources < 2:
@@ -231,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     record["init_seconds"] = time.perf_counter() - start
     sections = {
         "environment": lambda: environment(rank, local_rank, world_size, device),
-        "kernels": lambda: check_kernels(args.dim, args.num_heads, args.max_sources, args.tokens, device),
+        "kernels": lambda: check_kernels(args.dim, args.num_heads, args.max_sources, args.tokens, device, args.sites),
         "hardware": lambda: measure(args.tokens, args.dim, args.gemm_hidden, device, args.block_elements),
     }
     if args.attention:

@@ -315,8 +315,9 @@ def kernel_stage(records: dict[int, dict[str, Any]], problems: list[str], second
     span = f"{counts[0]}-{counts[-1]}" if len(counts) > 1 else str(counts[0])
     worst = tally.worst
     figure = (
-        f"{span} sources (null included) at width {first['dim']}, {first['num_heads']} heads, {first['tokens']} "
-        f"tokens: worst error {worst[0]:.2f} of its bound ({worst[1]}), bitwise repeatable"
+        f"{span} sources (null included), {first.get('sites', 2)} sites a call, at width {first['dim']}, "
+        f"{first['num_heads']} heads, {first['tokens']} tokens: worst error {worst[0]:.2f} of its bound ({worst[1]}), "
+        "bitwise repeatable"
     )
     return Stage("b", NAMES["b"], True, figure, seconds, details)
 
