@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 TEST_WORKERS ?= 2
 
 test: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # The tiny pair, control then MHAR, each a 2-rank FSDP2 run (on CPU over gloo without a GPU).
 # The tiny pair end to end: a corpus and tokenizer from this machine's Python docstrings, a random

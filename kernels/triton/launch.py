@@ -73,10 +73,12 @@ FWD_PAIR = {
     n: {"rows": rows, "warps_per_4096": 8, "maxnreg": cap, "given_rstd": True, "prefetch": prefetch}
     for n, (rows, cap, prefetch) in _FWD_PAIR_SHAPES.items()
 }
-STATS_PAIR = {  # from `--tune pair_load`, which runs the kernels after matmuls, as the step does
+# STATS_PAIR from `--tune pair_load`, which runs the kernels after matmuls, as the step does. grouped: a block's
+# pairs in one launch, off until a GPU has checked it against the reference (kernels/NOTES.md, the block dataflow)
+STATS_PAIR = {
     n: {"rows": 64, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True, "prefetch": n <= 3, "grouped": False}
     for n in FWD
-}  # grouped: a block's pairs in one launch; off until a GPU's preflight has checked it (kernels/NOTES.md, the block dataflow)
+}
 # A block's sites over the same sources (host.forward_sites): at most `sites` a pass (2: the two-site
 # kernel, FWD_PAIR's shapes; more: the block kernel, at these rows, warps and register cap). From
 # `--tune block`: the two-site passes were the faster at every source count (kernels/NOTES.md).
