@@ -16,7 +16,8 @@ Rows, each one path of kernels.routing:
   the forward with grad as in the forward and backward.
 Prints the forward's ms without grad (validation, evaluation) and with grad (training), fwd+bwd
 ms, the peak memory over the three, speedups, and the forward's achieved bandwidth against a device-to-device copy
-measured in the same run; then a sweep over N and d for a single call (custom op path).
+measured in the same run; then, per triton arm, each pass's GPU time and share of copy bandwidth
+(benchmarks.routing_bytes counts the least bytes); then a sweep over N and d for a single call (custom op path).
 
     python -m benchmarks.bench_routing            (make bench-kernels)
     python -m benchmarks.bench_routing --max-memory-gib 80      (as an 80 GB H100 holds it)
@@ -25,6 +26,7 @@ measured in the same run; then a sweep over N and d for a single call (custom op
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 from collections.abc import Callable
 
@@ -33,6 +35,7 @@ from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 from torch.utils.checkpoint import checkpoint
 
+from benchmarks.routing_bytes import KINDS, PASSES, pass_bytes
 from benchmarks.routing_cases import (
     ARMS,
     DTYPE,
@@ -46,6 +49,7 @@ from benchmarks.routing_cases import (
     timed,
 )
 from benchmarks.routing_tune import TUNE_KERNELS, tune
+from kernels.triton.launch import DEFAULT_TABLES
 
 
 def bench_microbatch(args, bw: float) -> list[dict]:
@@ -92,6 +96,36 @@ def bench_microbatch(args, bw: float) -> list[dict]:
             f"{r['speedup_vs_compile']:.2f}x | {r['fwd_bw_frac']:.0%} |"
         )
     return rows
+
+
+def pass_table(args, bw: float) -> None:
+    """Per triton arm asked for, each pass's kernels over one microbatch fwd+bwd: launches (the byte model's and
+    the profiler's), GPU time, least bytes (benchmarks.routing_bytes) and their share of copy bandwidth."""
+    arms = [a for a in args.arms.split(",") if a in ("triton", "triton_layer", "triton_site")]
+    if not arms:
+        return
+    mb = Microbatch(args.batch, args.seq, args.dim, args.layers, args.blocks)
+    m, d = mb.grad_out.numel() // args.dim, args.dim
+    print(f"\nEach pass of one microbatch fwd+bwd (GPU time profiled, idle GPU); copy bandwidth {bw / 1e12:.2f} TB/s")
+    print("| arm | pass | launches (profiled) | GPU ms | GB | share of copy bw |")
+    print("|---|---|---|---|---|---|")
+    for arm in arms:
+        grouping, fn = GROUPED.get(arm), route_fns(args.heads, 1e-5)[arm]
+        mb.forward_backward(fn, SOURCE_BACKEND[arm], grouping=grouping)  # compiled and warm
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            mb.forward_backward(fn, SOURCE_BACKEND[arm], grouping=grouping)
+            torch.cuda.synchronize()
+        ms, seen = collections.Counter(), collections.Counter()
+        for event in prof.key_averages():
+            if event.key in KINDS:
+                ms[KINDS[event.key]] += event.self_device_time_total / 1e3
+                seen[KINDS[event.key]] += event.count
+        model = pass_bytes(mb.call_shapes(grouping), m, d, args.heads, mb.grad_out.element_size(), DEFAULT_TABLES)
+        for kind in PASSES:
+            launches, nbytes = model[kind]
+            share = f"{nbytes / (ms[kind] * 1e-3) / bw:.0%}" if ms[kind] else "-"
+            print(f"| {arm} | {kind} | {launches} ({seen[kind]}) | {ms[kind]:.2f} | {nbytes / 1e9:.2f} | {share} |")
 
 
 def bench_sweep(args, bw: float) -> None:
@@ -196,6 +230,7 @@ def main() -> None:
         return tune(args, bw)
     if not args.sweep_only:
         bench_microbatch(args, bw)
+        pass_table(args, bw)
     if not args.no_sweep:
         bench_sweep(args, bw)
 

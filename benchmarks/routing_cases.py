@@ -138,6 +138,12 @@ class Microbatch:
             for grouping in ("layer", "block")
         }
 
+    def call_shapes(self, grouping: str | None) -> list[tuple[int, int]]:
+        """(sources read, sites routed at once) per call, as `forward` makes them."""
+        if grouping:
+            return [(n, len(sites)) for n, sites in self.groups(grouping)]
+        return [(n, 1) for n, _ in self.calls]
+
     def groups(self, grouping: str) -> list[tuple[int, list[list[torch.Tensor]]]]:
         """(n_sources, each site's params) per call over the same sources: a layer's two sites, or a block's."""
         size = 2 if grouping == "layer" else self.per_block

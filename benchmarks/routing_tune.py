@@ -395,8 +395,9 @@ def tune_block(args, bw: float, dout: torch.Tensor) -> None:
     """A block's sites (2 x layers / blocks) over n marked sources, after matmuls (`Burst`), as the step
     runs them: the forward in passes of two sites (the two-site kernel) against one pass of the block
     kernel at each launch shape; the stats passes one launch per pair against one launch for the block.
-    Shares of copy bandwidth count the least bytes: the sources once, every site's output (or output
-    gradient) once."""
+    Shares of copy bandwidth count each case's least bytes: every site's output (or output gradient) once, the
+    sources once a pair for launches a pair, once for the block kernel and the block's one stats launch (whose
+    pairs share them through L2 at best)."""
     count = 2 * args.layers // args.blocks
     gen = torch.Generator(device=dout.device).manual_seed(0)
     sites = [
@@ -410,7 +411,7 @@ def tune_block(args, bw: float, dout: torch.Tensor) -> None:
     for n in PAIR_SOURCES:
         srcs = [torch.randn_like(dout) for _ in range(n)]
         rstds = [source_rstd(s, 1e-5) for s in srcs]
-        share = (n + count) * unit
+        once, per_pair = (n + count) * unit, count // 2 * (n + 2) * unit  # the sources once, or once a pair
         cases = [("fwd, pairs", DEFAULT_TABLES.replace(fwd_sites={n: {"sites": 2}}))]
         for rows, cap in BLOCK_FWD:
             shape = {"sites": count, "rows": rows, "warps_per_4096": 8, "maxnreg": cap}
@@ -420,7 +421,8 @@ def tune_block(args, bw: float, dout: torch.Tensor) -> None:
         for label, tables in cases:
             ms = burst.median_ms(partial(forward_sites, srcs, sites, args.heads, 1e-5, tables, rstds), burst.loaded)
             mark = " (default)" if tables.fwd_sites[n] == DEFAULT_TABLES.fwd_sites[n] else ""
-            print(f"| {label}{mark} | {n} | {count} sites | {ms:.3f} | {share / (ms * 1e-3) / bw:.0%} |")
+            nbytes = per_pair if tables.fwd_sites[n]["sites"] == 2 else once
+            print(f"| {label}{mark} | {n} | {count} sites | {ms:.3f} | {nbytes / (ms * 1e-3) / bw:.0%} |")
         lgs = [lg for _, lg in forward_sites(srcs, sites, args.heads, 1e-5, DEFAULT_TABLES, rstds)]
 
         def pairs(srcs=srcs, rstds=rstds, lgs=lgs) -> None:
@@ -430,6 +432,6 @@ def tune_block(args, bw: float, dout: torch.Tensor) -> None:
                 )
 
         block = partial(backward_stats_pair, douts, lgs, srcs, sites, args.heads, 1e-5, rstds)
-        for label, fn in (("stats, a launch per pair", pairs), ("stats, one launch", block)):
+        for label, fn, nbytes in (("stats, a launch per pair", pairs, per_pair), ("stats, one launch", block, once)):
             ms = burst.median_ms(fn, burst.loaded)
-            print(f"| {label} | {n} | {count} sites | {ms:.3f} | {share / (ms * 1e-3) / bw:.0%} |")
+            print(f"| {label} | {n} | {count} sites | {ms:.3f} | {nbytes / (ms * 1e-3) / bw:.0%} |")

@@ -3,13 +3,17 @@ model makes them, a block's sites in one call, a layer's two or one call per sit
 routing_source, gradients summed in place) compute the gradients its eager arm computes (per-call
 checkpoints), and its forwards with and without grad compute the same outputs."""
 
+import collections
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from test_routing_triton import condition_scales
 
+import kernels.triton.launch as rt
+from benchmarks.routing_bytes import PASSES, pass_bytes
 from benchmarks.routing_cases import Microbatch, route_fns
 
 
@@ -73,3 +77,34 @@ def test_an_unknown_kernel_to_tune_is_refused_by_name_before_anything_runs():
         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2 and "--tune: unknown ['stat']" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("block_kernels", [False, True])
+def test_the_byte_model_counts_the_launches_each_path_makes(block_kernels, monkeypatch):
+    """benchmarks.routing_bytes, which each pass's share of copy bandwidth divides by, counts the launches of
+    every kernel that the block, layer and per-site paths make over a microbatch (launchers counted), with
+    the default tables and with a block's forward in one pass and its stats pairs in one launch."""
+    mb = Microbatch(1, 3, 24, num_layers=4, num_blocks=2, device="cpu", dtype=torch.float32)
+    tables = rt.DEFAULT_TABLES
+    if block_kernels:
+        tables = tables.replace(
+            fwd_sites={n: {"sites": 4} for n in (1, 2)}, stats_pair={n: {"grouped": True} for n in (1, 2)}
+        )
+    kinds = {"fwd": "forward", "sites": "forward", "stats": "stats", "mix": "mix", "norm": "norm", "rstd": "rstd",
+             "finish": "finish"}  # fmt: skip
+    counted = collections.Counter()
+    for name, kind in kinds.items():
+        launcher = getattr(rt, f"{name}_launcher")
+        monkeypatch.setattr(
+            rt, f"{name}_launcher", lambda *a, k=kind, f=launcher, **kw: (counted.update([k]), f(*a, **kw))
+        )
+    fns = route_fns(8, 1e-5, tables)
+    for arm, grouping in (("triton", "block"), ("triton_layer", "layer"), ("triton_site", None)):
+        counted.clear()
+        mb.forward_backward(fns[arm], "triton", grouping=grouping)
+        model = pass_bytes(mb.call_shapes(grouping), 3, 24, 8, 4, tables)
+        assert {kind: launches for kind, (launches, _) in model.items()} == {k: counted[k] for k in PASSES}, arm
+        unit = 3 * 24 * 4
+        if grouping is None:  # one call a site: each reads its sources and writes its output and logits
+            want = sum((n + 1) * unit + (n + 1) * 3 * 8 * 4 for n, _ in mb.calls)
+            assert model["forward"][1] == want
