@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 
 from kernels.triton.backward import route_bwd_mix_kernel, route_bwd_stats_kernel
 from kernels.triton.forward import route_fwd_kernel, route_fwd_sites_kernel
-from kernels.triton.launch import DEFAULT_TABLES, MAX_SOURCES, mix_launch, row_launch, sites_launch, stats_launch
+from kernels.triton.launch import DEFAULT_TABLES, MAX_SOURCES, fwd_launch, mix_launch, sites_launch, stats_launch
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTXAS = os.path.join(BIN, "ptxas")
@@ -119,8 +119,8 @@ def main() -> None:
         "COEFS": (f32,) * calls, "QS": (p,) * calls, "GS": (p,) * calls, "CSUMS": (f32,) * n, "RSTDS": (f32,) * n,
         "NULL2": p, "Q2": p, "G2": p, "GATE2": p, "OUT2": p, "LG2": f32, "DOUT2": p, "COEF2": f32, "PARTS2": f32,
     }  # fmt: skip
-    per_group = ("DOUT", "NULL", "LG", "GATE", "COEF", "PARTS", "DOUT2", "NULL2", "LG2", "GATE2", "COEF2", "PARTS2")
-    stats_types = {**types, **{name: (types[name],) for name in per_group}}
+    per_group = ("DOUT", "NULL", "Q", "G", "LG", "GATE", "OUT", "COEF", "PARTS")
+    grouped_types = {**types, **{name: (types[name],) for base in per_group for name in (base, base + "2")}}
     # the layout Triton picks for the row tiles (and so registers and barriers) changes between versions
     print(f"sm_90, triton {triton.__version__}, d={d}, H={h}, {n} sources, {args.dtype}")
     print("| kernel | launch | warps | registers | spill bytes |")
@@ -139,13 +139,14 @@ def main() -> None:
         has_x = False if fn is route_fwd_kernel else None
         for warps_per_4096 in sorted({4, 8, 16, launch["warps_per_4096"]}):
             shape = (m, d, h, n, itemsize, launch["rows"], warps_per_4096, True, known)
+            # one group of sites a launch (the per-site arguments are tuples, one entry a group)
             if fn is route_fwd_kernel:
-                _, warps, consts = row_launch(*shape, has_x, sites, launch["prefetch"])
-            else:  # one group of sites a launch (the per-site arguments are tuples, one entry a group)
+                _, warps, consts = fwd_launch(*shape, has_x, sites, launch["prefetch"], 1)
+            else:
                 _, warps, consts = stats_launch(*shape, sites, launch["prefetch"], 1)
             # the forward's register cap applies to its own launch shape only
             cap = launch.get("maxnreg") if warps_per_4096 == launch["warps_per_4096"] else None
-            compiled = compile_sm90(fn, types if fn is route_fwd_kernel else stats_types, consts, warps, cap)
+            compiled = compile_sm90(fn, grouped_types, consts, warps, cap)
             use = ptxas_usage(compiled.asm["ptx"])
             shape = f"rows {launch['rows']}" + (f", registers <= {cap}" if cap else "")
             print(f"| {name} | {shape} | {warps} | {use['registers']} | {use['spill_bytes']} |")

@@ -40,7 +40,10 @@ def pass_bytes(
 
     per_source_list: dict[int, int] = collections.Counter()  # sites over each source list, for the mix
     for n, sites in calls:
-        per_pass = tables.fwd_sites[n]["sites"] if sites > 1 else 1
+        fwd = tables.fwd_sites[n]
+        per_pass = fwd["sites"] if sites > 1 else 1
+        if per_pass == 2 and fwd["grouped"] and sites > 2 and sites % 2 == 0:
+            per_pass = sites  # every pair in one launch: the sources once at least
         for at in range(0, sites, per_pass):
             k = min(per_pass, sites - at)
             add("forward", 1, (n + k) * unit + k * (n + 1) * plane)  # sources, outputs, logits

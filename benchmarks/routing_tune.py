@@ -393,11 +393,12 @@ BLOCK_FWD = [(1, None), (2, None), (2, 128), (4, None), (4, 128)]  # (rows, regi
 
 def tune_block(args, bw: float, dout: torch.Tensor) -> None:
     """A block's sites (2 x layers / blocks) over n marked sources, after matmuls (`Burst`), as the step
-    runs them: the forward in passes of two sites (the two-site kernel) against one pass of the block
-    kernel at each launch shape; the stats passes one launch per pair against one launch for the block.
+    runs them: the forward in passes of two sites (the two-site kernel, a launch a pair or every pair in one
+    launch) against one pass of the block kernel at each launch shape; the stats passes one launch per pair
+    against one launch for the block.
     Shares of copy bandwidth count each case's least bytes: every site's output (or output gradient) once, the
-    sources once a pair for launches a pair, once for the block kernel and the block's one stats launch (whose
-    pairs share them through L2 at best)."""
+    sources once a pair for launches a pair, once for the block kernel and for the block's pairs in one launch
+    (whose pairs share them through L2 at best)."""
     count = 2 * args.layers // args.blocks
     gen = torch.Generator(device=dout.device).manual_seed(0)
     sites = [
@@ -412,7 +413,10 @@ def tune_block(args, bw: float, dout: torch.Tensor) -> None:
         srcs = [torch.randn_like(dout) for _ in range(n)]
         rstds = [source_rstd(s, 1e-5) for s in srcs]
         once, per_pair = (n + count) * unit, count // 2 * (n + 2) * unit  # the sources once, or once a pair
-        cases = [("fwd, pairs", DEFAULT_TABLES.replace(fwd_sites={n: {"sites": 2}}))]
+        cases = [
+            ("fwd, pairs", DEFAULT_TABLES.replace(fwd_sites={n: {"sites": 2, "grouped": False}})),
+            ("fwd, pairs in one launch", DEFAULT_TABLES.replace(fwd_sites={n: {"sites": 2, "grouped": True}})),
+        ]
         for rows, cap in BLOCK_FWD:
             shape = {"sites": count, "rows": rows, "warps_per_4096": 8, "maxnreg": cap}
             cases.append(
@@ -421,7 +425,7 @@ def tune_block(args, bw: float, dout: torch.Tensor) -> None:
         for label, tables in cases:
             ms = burst.median_ms(partial(forward_sites, srcs, sites, args.heads, 1e-5, tables, rstds), burst.loaded)
             mark = " (default)" if tables.fwd_sites[n] == DEFAULT_TABLES.fwd_sites[n] else ""
-            nbytes = per_pair if tables.fwd_sites[n]["sites"] == 2 else once
+            nbytes = per_pair if tables.fwd_sites[n]["sites"] == 2 and not tables.fwd_sites[n]["grouped"] else once
             print(f"| {label}{mark} | {n} | {count} sites | {ms:.3f} | {nbytes / (ms * 1e-3) / bw:.0%} |")
         lgs = [lg for _, lg in forward_sites(srcs, sites, args.heads, 1e-5, DEFAULT_TABLES, rstds)]
 

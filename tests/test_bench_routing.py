@@ -79,16 +79,19 @@ def test_an_unknown_kernel_to_tune_is_refused_by_name_before_anything_runs():
     assert proc.returncode == 2 and "--tune: unknown ['stat']" in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("block_kernels", [False, True])
+@pytest.mark.parametrize("block_kernels", [None, "block", "grouped"])
 def test_the_byte_model_counts_the_launches_each_path_makes(block_kernels, monkeypatch):
     """benchmarks.routing_bytes, which each pass's share of copy bandwidth divides by, counts the launches of
     every kernel that the block, layer and per-site paths make over a microbatch (launchers counted), with
-    the default tables and with a block's forward in one pass and its stats pairs in one launch."""
+    the default tables, with a block's forward in one pass of the block kernel, and with its pairs in one
+    launch of the two-site kernels (forward and stats)."""
     mb = Microbatch(1, 3, 24, num_layers=4, num_blocks=2, device="cpu", dtype=torch.float32)
     tables = rt.DEFAULT_TABLES
     if block_kernels:
+        per_pass = 4 if block_kernels == "block" else 2
+        tables = tables.replace(fwd_sites={n: {"grouped": True} for n in (1, 2)})
         tables = tables.replace(
-            fwd_sites={n: {"sites": 4} for n in (1, 2)}, stats_pair={n: {"grouped": True} for n in (1, 2)}
+            fwd_sites={n: {"sites": per_pass} for n in (1, 2)}, stats_pair={n: {"grouped": True} for n in (1, 2)}
         )
     kinds = {"fwd": "forward", "sites": "forward", "stats": "stats", "mix": "mix", "norm": "norm", "rstd": "rstd",
              "finish": "finish"}  # fmt: skip

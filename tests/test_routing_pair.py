@@ -261,16 +261,26 @@ def block(H, d, S, T, dtype, count):
 
 
 # a block of 2 and of 4 layers (4 and 8 sites) through the block forward kernel and the block's pairs in one
-# stats launch, and through the two-site kernels pass by pair: odd widths, 8 sources, one head
+# stats launch, through the two-site kernels a launch a pair, and with every pair in one launch of each:
+# odd widths, 8 sources, one head
 @pytest.mark.parametrize(
     "H,d,S,T,count,per_pass,grouped",
-    [(*SHAPES[0], 4, 4, True), (*SHAPES[4], 8, 8, True), (*SHAPES[9], 4, 4, True), (*SHAPES[4], 4, 2, False)],
+    [
+        (*SHAPES[0], 4, 4, True),
+        (*SHAPES[4], 8, 8, True),
+        (*SHAPES[9], 4, 4, True),
+        (*SHAPES[4], 4, 2, False),
+        (*SHAPES[6], 8, 2, True),
+    ],
 )
 def test_a_blocks_sites_match_torch_and_repeat_bit_for_bit(H, d, S, T, count, per_pass, grouped, poisoned):
     """Every site's output, logits and gradients (each source's summed over the block's sites) within the
     file's fp32 bound of the torch backend, and the same bits on a second run, whichever kernels a
-    block's call takes (the launch tables' `sites` a forward pass, `grouped` stats)."""
-    tables = rt.DEFAULT_TABLES.replace(fwd_sites={S: {"sites": per_pass}}, stats_pair={S: {"grouped": grouped}})
+    block's call takes (the launch tables' `sites` a forward pass, `grouped` pairs in one launch)."""
+    # grouped: the block's stats pairs in one launch, and with two sites a pass its forward pairs too
+    tables = rt.DEFAULT_TABLES.replace(
+        fwd_sites={S: {"sites": per_pass, "grouped": grouped}}, stats_pair={S: {"grouped": grouped}}
+    )
     leaves = block(H, d, S, T, torch.float32, count)
     grad_outs = [torch.randn_like(leaves[0]) for _ in range(count)]
 

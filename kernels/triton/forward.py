@@ -79,7 +79,30 @@ def route_fwd_kernel(
     HAS_X: tl.constexpr,
     SITES: tl.constexpr,
     PREFETCH: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
+    # GROUPS: the per-site arguments (NULL .. LG2) are tuples, one entry per group of sites over the same sources
+    # (a block's pairs); program p serves group p % GROUPS, so that the groups' programs of a row block run side
+    # by side and all but the first find the sources in L2.
+    group = tl.program_id(0) % GROUPS
+    NULL, Q, G, GATE = (
+        pick(NULL, group, GROUPS),
+        pick(Q, group, GROUPS),
+        pick(G, group, GROUPS),
+        pick(GATE, group, GROUPS),
+    )
+    OUT, LG, NULL2, Q2 = (
+        pick(OUT, group, GROUPS),
+        pick(LG, group, GROUPS),
+        pick(NULL2, group, GROUPS),
+        pick(Q2, group, GROUPS),
+    )
+    G2, GATE2, OUT2, LG2 = (
+        pick(G2, group, GROUPS),
+        pick(GATE2, group, GROUPS),
+        pick(OUT2, group, GROUPS),
+        pick(LG2, group, GROUPS),
+    )
     # KNOWN: bit i set if source i's 1 / rms per row is given (RSTDS[i]); HAS_X: add x (X) to the
     # output, else write gate * R alone (X is not read). SITES = 2: a second site over the same
     # sources (NULL2 .. LG2; the two sites of a layer), each source loaded once for both; without x.
@@ -95,7 +118,7 @@ def route_fwd_kernel(
         z_logit2 = null_logit(NULL2, Q2, G2, cols, mask, D, eps, JOINT)
         gate2 = tl.load(GATE2).to(tl.float32)
 
-    start = tl.program_id(0).to(tl.int64) * ROWS
+    start = (tl.program_id(0) // GROUPS).to(tl.int64) * ROWS
     if PREFETCH:
         n_a, n_b = lead_sources(SRCS, start * D + cols, mask & (start < M), NUM_SRC)
     for r in range(ROWS):

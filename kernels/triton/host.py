@@ -102,11 +102,16 @@ def forward_sites(
     its parameters', and its routing logits), as `forward` without x. The sites go in passes of at
     most `tables.fwd_sites[N]["sites"]`, each reading every source once: a pass of one site takes
     the single-site kernel, of two the two-site kernel, of more the block kernel, which needs every
-    source's 1 / rms (computed here where `rstds` lacks one)."""
+    source's 1 / rms (computed here where `rstds` lacks one). With two a pass and `grouped`, every pair
+    goes in one launch of the two-site kernel, whose pairs' programs of a row block run side by side (all
+    but the first find the sources in L2)."""
     if not sites:
         raise ValueError("forward_sites routes at least one site")
     check_inputs(None, sources)
     per_pass = tables.fwd_sites[len(sources)]["sites"]
+    if per_pass == 2 and tables.fwd_sites[len(sources)]["grouped"] and len(sites) > 2 and len(sites) % 2 == 0:
+        # the two-site kernel for every pair in one launch: the pairs' programs of a row block side by side
+        return _forward(None, sources, tuple(sites), num_heads, eps, tables, rstds, out_dtype)
     results = []
     for at in range(0, len(sites), per_pass):
         group = tuple(sites[at : at + per_pass])
@@ -156,19 +161,20 @@ def _forward(x, sources, sites, num_heads, eps, tables, rstds, out_dtype) -> lis
     lg_shape = (len(srcs) + 1, *srcs[0].shape[:-1], num_heads)
     logits = [launch.empty(lg_shape, device=xs.device, dtype=torch.float32) for _ in sites]
     interp = interpreting()
-    shape = (tables.fwd if len(sites) == 1 else tables.fwd_pair)[len(srcs)]
+    per_program = 1 if len(sites) == 1 else 2  # more sites: pairs, one launch (a program per row block and pair)
+    shape = (tables.fwd if per_program == 1 else tables.fwd_pair)[len(srcs)]
     rows = cpu_rows(m) if interp else shape["rows"]
     known, rstd_ptrs = _known_rstds(rstds if shape["given_rstd"] else (), len(srcs), logits[0])
-    grid, warps, consts = launch.row_launch(
+    grid, warps, consts = launch.fwd_launch(
         m, d, num_heads, len(srcs), xs.element_size(), rows, shape["warps_per_4096"], not interp, known, x is not None,
-        len(sites), shape["prefetch"],
+        per_program, shape["prefetch"], len(sites) // per_program,
     )  # fmt: skip
-    params = [tuple(t.contiguous() for t in site) for site in sites]
-    second = (*params[-1], outs[-1], logits[-1])  # not read with one site
-    launch.fwd_launcher(
-        grid, warps, consts, xs, srcs, rstd_ptrs, *params[0], outs[0], logits[0], *second, m, eps,
-        maxnreg=shape["maxnreg"],
-    )  # fmt: skip
+    per_site = [(*(t.contiguous() for t in site), out, lg) for site, out, lg in zip(sites, outs, logits, strict=True)]
+    # per kernel argument, a tuple over the pairs: each pair's first site, then its second (with one site, the
+    # first again: not read)
+    first = [tuple(column) for column in zip(*per_site[::per_program], strict=True)]
+    second = [tuple(column) for column in zip(*per_site[per_program - 1 :: per_program], strict=True)]
+    launch.fwd_launcher(grid, warps, consts, xs, srcs, rstd_ptrs, *first, *second, m, eps, maxnreg=shape["maxnreg"])
     return list(zip(outs, logits, strict=True))
 
 

@@ -82,7 +82,8 @@ STATS_PAIR = {
 # A block's sites over the same sources (host.forward_sites): at most `sites` a pass (2: the two-site
 # kernel, FWD_PAIR's shapes; more: the block kernel, at these rows, warps and register cap). From
 # `--tune block`: the two-site passes were the faster at every source count (kernels/NOTES.md).
-FWD_SITES = {n: {"sites": 2, "rows": 4, "warps_per_4096": 8, "maxnreg": None} for n in FWD}
+# grouped (with `sites` 2): every pair of a block in one launch, sharing the sources through L2; not yet timed.
+FWD_SITES = {n: {"sites": 2, "grouped": False, "rows": 4, "warps_per_4096": 8, "maxnreg": None} for n in FWD}
 MIX = {"block_m": 32, "block_kc": 64, "warps": 4, "calls": 4}  # calls: most calls one pass serves
 NORM = {"block_m": 32, "block_d": 128, "warps": 4}
 RSTD = {"block_r": 4, "block_c": 1024, "warps": 4}
@@ -274,6 +275,19 @@ def sites_launch(
     grid, warps, consts = row_launch(m, d, num_heads, num_sources, itemsize, rows, warps_per_4096, joint)
     order = ("D", "H", "K", "NUM_SRC", "SITES", "BLOCK_H", "BLOCK_S", "BLOCK_I", "BLOCK_N", "ROWS", "EVEN", "JOINT")
     return grid, warps, {name: sites if name == "SITES" else consts[name] for name in order}
+
+
+@functools.cache
+def fwd_launch(
+    m: int, d: int, num_heads: int, num_sources: int, itemsize: int, rows: int, warps_per_4096: int, joint: bool,
+    known: int, has_x: bool, sites: int, prefetch: bool, groups: int,
+) -> tuple:  # fmt: skip
+    """(grid, num_warps, constexprs) of the forward over `groups` groups of `sites` sites (a program per row block
+    and group)."""
+    grid, warps, consts = row_launch(
+        m, d, num_heads, num_sources, itemsize, rows, warps_per_4096, joint, known, has_x, sites, prefetch
+    )
+    return (grid[0] * groups,), warps, {**consts, "GROUPS": groups}
 
 
 @functools.cache
