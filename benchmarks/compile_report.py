@@ -104,6 +104,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if not 1 <= args.sources <= MAX_SOURCES:
         parser.error(f"--sources {args.sources}: the kernels take 1 to {MAX_SOURCES} caller sources")
+    if args.sites < 1:
+        parser.error(f"--sites {args.sites}: a block routes at least one site")
     return args
 
 

@@ -34,3 +34,11 @@ def test_a_source_count_the_kernels_do_not_take_is_refused_by_name():
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2 and "--sources 9: the kernels take 1 to 8 caller sources" in proc.stderr, proc.stderr
+
+
+def test_a_block_of_no_sites_is_refused_by_name():
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compile_report", "--sites", "0"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--sites 0: a block routes at least one site" in proc.stderr, proc.stderr
