@@ -45,6 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
+from benchmarks.step_floor import print_floors
 from benchmarks.trace_summary import gap_report, print_gaps, print_name_diff, print_side_by_side, summarise
 from mhar_titan import plan
 from mhar_titan.components.tensorboard_scalars import read_scalars
@@ -75,6 +76,7 @@ GPU = [
     "--compile.enable", "--compile.components", "model,loss",
     "--ema.beta", "0.999", "--ema.every", "10",  # as in configs/marin8b_*.toml
 ]  # fmt: skip
+TOKENS = 4096 * 2  # a device's tokens a step at GPU's seq_len and local_batch_size
 SMOKE_TAGS = ("tokens_per_s", "mfu", "peak_active_gib")  # on a CPU there are no phase memory figures
 SMOKE = ["--model.flavor", "tiny", "--training.seq_len", "128", "--training.local_batch_size", "2"]
 NUM_BLOCKS = {False: 8, True: 2}  # keyed by smoke: the tiny flavor has 4 layers
@@ -357,6 +359,8 @@ def main(argv: list[str] | None = None) -> None:
         print_modes(results)
     if len(args.masks) > 1:
         print_masks(results, modes, args.masks)
+    if not args.smoke:  # the least bytes the MHAR arm moves, and the best ratio they allow on this GPU
+        print_floors(results, args.flavor, args.num_blocks or NUM_BLOCKS[False], TOKENS)
 
 
 def print_table(results: dict[str, dict[str, float]], arms: list[str], title: str) -> None:
