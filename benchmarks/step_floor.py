@@ -6,11 +6,12 @@ Counted, per microbatch of `tokens` rows of width `dim`:
 - the routing, pass by pass as the launch tables split it (benchmarks.routing_bytes: the model's calls, a block's
   sites a call), and again as the least a block-level dataflow can move (each block's sources read once by the
   forward and once by the stats pass);
-- the bodies' extra traffic: each routed term read by its norm (and again by full AC's recompute) and its
-  gradient written; each block delta written in the forward, its running sum read by the block's later layers,
-  its gradient read in the backward (the last block's delta is never a source).
+- the bodies' extra traffic: each routed term read by its norm in the forward, read again for the norm's
+  backward (which needs u = x + routed: recomputed under full AC, otherwise saved, a write, or recomputed) and its
+  gradient written, in every AC mode; each block delta written in the forward, its running sum read by the
+  block's later layers, its gradient read in the backward (the last block's delta is never a source).
 Left out, so that the floor stays a lower bound: per-token scalars in the bodies, the routing parameters and
-their optimizer and EMA updates, launch latency. Selective AC counts as none (what it recomputes varies).
+their optimizer and EMA updates, launch latency. The AC mode changes the control's step, not these bytes.
 
     python -m benchmarks.step_floor --layers 8 --num-blocks 8 --control-tokens-per-s 29234 --copy-tbps 2.93
 """
@@ -48,10 +49,9 @@ def least_tables(tables: LaunchTables = DEFAULT_TABLES) -> LaunchTables:
     )
 
 
-def body_bytes(layers: int, num_blocks: int, unit: int, ac: str) -> int:
+def body_bytes(layers: int, num_blocks: int, unit: int) -> int:
     """The bodies' extra bytes a microbatch (see the module's docstring); `unit` is one [tokens, dim] tensor."""
-    reads = 2 if ac == "full" else 1  # the norm's read of u = x + routed, again in full AC's recompute
-    routed = 2 * layers * (reads + 1) * unit  # two sites a layer; each routed term's gradient written
+    routed = 2 * layers * 3 * unit  # two sites a layer: read for the norm, for its backward; gradient written
     per_block = layers // num_blocks
     sourced = layers - per_block  # layers whose block delta becomes a source
     deltas = sourced * 2 * unit + (num_blocks - 1) * (per_block - 1) * unit  # written, gradient read; running sum
@@ -93,7 +93,6 @@ def step_floor(
     tokens: int,
     dim: int,
     heads: int,
-    ac: str,
     control_tokens_per_s: float,
     bandwidth: float,
     itemsize: int = 2,
@@ -106,7 +105,7 @@ def step_floor(
     return Floor(
         routing={kind: launched[kind][1] for kind in PASSES},
         least_routing=sum(least[kind][1] for kind in PASSES),
-        bodies=body_bytes(layers, num_blocks, tokens * dim * itemsize, ac),
+        bodies=body_bytes(layers, num_blocks, tokens * dim * itemsize),
         control_ms=tokens / control_tokens_per_s * 1e3,
         bandwidth=bandwidth,
     )
@@ -152,8 +151,7 @@ def print_floors(results: dict[str, dict[str, dict[str, float]]], flavor: str, n
     model, heads, bandwidth = FLAVORS[flavor], MHAR().num_heads, measured_bandwidth()
     for key, arms in cells.items():
         control = arms["control"]["tokens_per_s"]
-        ac = key.split("/")[0]
-        floor = step_floor(model.n_layers, num_blocks, tokens, model.dim, heads, ac, control, bandwidth)
+        floor = step_floor(model.n_layers, num_blocks, tokens, model.dim, heads, control, bandwidth)
         print(f"\nfloor, {key} AC ({model.n_layers} layers, {num_blocks} blocks; benchmarks.step_floor):")
         print("\n".join(describe(floor, arms["mhar_triton"]["tokens_per_s"] / control)))
 
@@ -165,7 +163,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=2 * 4096, help="tokens a device a step (microbatch x seq)")
     parser.add_argument("--dim", type=int, default=4096, help="the model's width")
     parser.add_argument("--heads", type=int, default=8, help="routing heads ([mhar] num_heads)")
-    parser.add_argument("--ac", default="full", choices=("full", "selective", "none"), help="activation checkpointing")
     parser.add_argument("--control-tokens-per-s", type=float, required=True, help="the control's, a device")
     parser.add_argument("--copy-tbps", type=float, required=True, help="the card's measured copy bandwidth")
     parser.add_argument("--measured", type=float, default=None, help="a measured MHAR/control to set beside it")
@@ -176,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.measured is not None and not 0 < args.measured <= 1:
         parser.error(f"--measured {args.measured}: an MHAR/control ratio in (0, 1]")
     try:
-        floor = step_floor(args.layers, args.num_blocks, args.tokens, args.dim, args.heads, args.ac,
+        floor = step_floor(args.layers, args.num_blocks, args.tokens, args.dim, args.heads,
                            args.control_tokens_per_s, args.copy_tbps * 1e12)  # fmt: skip
     except ValueError as e:
         parser.error(str(e))

@@ -12,13 +12,11 @@ M, D, HEADS = 64, 96, 8  # small: the counts are exact integers at any size
 
 
 def test_the_bodies_bytes_are_counted_by_hand():
-    # 4 layers in 2 blocks, a unit of 1: each of 8 sites' routed terms read (twice under full AC) and its
-    # gradient written; the first block's 2 deltas written and their gradients read, its second layer reading
-    # the running sum; the last block's delta is no source
-    assert step_floor.body_bytes(4, 2, 1, "full") == 8 * 3 + 2 * 2 + 1
-    assert step_floor.body_bytes(4, 2, 1, "none") == 8 * 2 + 2 * 2 + 1
-    assert step_floor.body_bytes(4, 2, 1, "selective") == step_floor.body_bytes(4, 2, 1, "none")
-    assert step_floor.body_bytes(8, 8, 1, "full") == 16 * 3 + 7 * 2
+    # 4 layers in 2 blocks, a unit of 1: each of 8 sites' routed terms read for its norm and again for the norm's
+    # backward, and its gradient written; the first block's 2 deltas written and their gradients read, its second
+    # layer reading the running sum; the last block's delta is no source
+    assert step_floor.body_bytes(4, 2, 1) == 8 * 3 + 2 * 2 + 1
+    assert step_floor.body_bytes(8, 8, 1) == 16 * 3 + 7 * 2
 
 
 def test_calls_follow_the_model():
@@ -32,14 +30,14 @@ def test_calls_follow_the_model():
 
 def test_one_layer_a_block_leaves_nothing_to_share():
     # one layer a block: a block's call is a layer's two sites, so the least is what the tables launch
-    floor = step_floor.step_floor(8, 8, M, D, HEADS, "full", 1000.0, 1e12)
+    floor = step_floor.step_floor(8, 8, M, D, HEADS, 1000.0, 1e12)
     assert floor.least_routing == sum(floor.routing.values())
 
 
 def test_the_least_reads_a_blocks_sources_once_a_pass():
     # two layers a block: the forward and stats passes as launched read each of block b's 1 + b sources twice,
     # the least once: the difference is exactly 2 x sum(1 + b) tensors
-    floor = step_floor.step_floor(16, 8, M, D, HEADS, "full", 1000.0, 1e12)
+    floor = step_floor.step_floor(16, 8, M, D, HEADS, 1000.0, 1e12)
     unit = M * D * 2
     assert sum(floor.routing.values()) - floor.least_routing == 2 * sum(1 + b for b in range(8)) * unit
     launched = pass_bytes(step_floor.block_calls(16, 8), M, D, HEADS, 2, DEFAULT_TABLES)
@@ -57,7 +55,7 @@ def test_the_ratio_and_the_budget():
 def test_the_h100_geometry_is_out_of_reach_at_copy_bandwidth():
     # docs/performance.md's H100 figures (control 29,234 tokens/s at 8 layers, full AC; copy 2.93 TB/s): the bytes
     # alone take longer than the 0.985 target leaves, whatever the kernels
-    floor = step_floor.step_floor(8, 8, 8192, 4096, 8, "full", 29234.0, 2.93e12)
+    floor = step_floor.step_floor(8, 8, 8192, 4096, 8, 29234.0, 2.93e12)
     assert floor.ms(floor.least) > floor.budget_ms
     assert floor.best_ratio(floor.least) < step_floor.TARGET
 
