@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from benchmarks import step_floor
@@ -69,6 +71,18 @@ def test_bench_step_prints_the_floor_beside_the_measured_ratio(monkeypatch, caps
     assert "floor, full AC (8 layers, 8 blocks" in out and "measured 0.9700" in out and "none AC" not in out
     step_floor.print_floors({"full": {"control": arm}}, "marin8b_8l", 8, 8192)  # no MHAR arm: no floor
     assert capsys.readouterr().out == ""
+
+
+def test_a_failed_bandwidth_measurement_leaves_the_run_standing(monkeypatch, capsys):
+    # the measurement's process fails (as without CUDA): one line, no exception, the arms' tables already out
+    def fail(*args, **kwargs):
+        raise subprocess.CalledProcessError(1, args[0], stderr="no CUDA")
+
+    monkeypatch.setattr(step_floor.subprocess, "run", fail)
+    results = {"full": {"control": {"tokens_per_s": 1000.0}, "mhar_triton": {"tokens_per_s": 970.0}}}
+    step_floor.print_floors(results, "marin8b_8l", 8, 8192)
+    out = capsys.readouterr().out
+    assert "floor: not computed, the copy bandwidth could not be measured" in out
 
 
 @pytest.mark.parametrize(
