@@ -89,6 +89,8 @@ def test_a_failed_bandwidth_measurement_leaves_the_run_standing(monkeypatch, cap
     "argv, message",
     [
         (["--layers", "16", "--num-blocks", "3"], "16 layers do not split into 3 blocks"),
+        (["--layers", "0"], "0 layers do not split into 8 blocks"),
+        (["--layers", "-8"], "-8 layers do not split into 8 blocks"),
         (["--layers", "8", "--copy-tbps", "0"], "--copy-tbps must be positive"),
         (["--layers", "8", "--measured", "1.2"], "--measured 1.2"),
     ],
@@ -100,3 +102,9 @@ def test_bad_input_is_one_line(argv, message, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_measured_ratio_at_or_above_one_is_said_not_divided_by(capsys):
+    step_floor.main(["--layers", "8", "--control-tokens-per-s", "1000", "--copy-tbps", "3", "--measured", "1"])
+    out = capsys.readouterr().out
+    assert "measured 1.0000" in out and "no slower than the control" in out and "of copy bandwidth" not in out
