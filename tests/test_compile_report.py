@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -28,17 +30,14 @@ def test_every_kernel_compiles_for_sm90_and_ptxas_reports_registers():
         assert int(counts["FFMA"]) > 0 and sum(map(int, counts.values())) <= int(total), top
 
 
-def test_a_source_count_the_kernels_do_not_take_is_refused_by_name():
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.compile_report", "--sources", "9"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2 and "--sources 9: the kernels take 1 to 8 caller sources" in proc.stderr, proc.stderr
-
-
-def test_a_block_of_no_sites_is_refused_by_name():
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.compile_report", "--sites", "0"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2 and "--sites 0: a block routes at least one site" in proc.stderr, proc.stderr
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sources", "9"], "--sources 9: the kernels take 1 to 8 caller sources"),
+        (["--sites", "0"], "--sites 0: a block routes at least one site"),
+    ],
+)
+def test_a_shape_the_kernels_do_not_take_is_refused_by_name(argv, message):
+    command = [sys.executable, "-m", "benchmarks.compile_report", *argv]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
