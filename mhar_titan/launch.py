@@ -2,9 +2,10 @@
 arguments (launch/torchrun.sh runs it).
 
 torchrun reports any worker's failure as exit 1, with a ChildFailedError traceback after the worker's own lines. For
-the codes the trainer gives on purpose (mhar_titan.components.exit_codes: refused 2, data exhausted 66, requeue 75) the
-trainer has already said why in its log, so this exits with that code and adds nothing; any other failure (a crash,
-a signal) is torchrun's as before: its summary naming the rank and error file, exit 1.
+the codes a job gives on purpose, with sys.exit (the trainer's own, mhar_titan.components.exit_codes: refused 2, data
+exhausted 66, requeue 75; and a hook's stop with a code of its own: docs/extending.md) the job has already said why in
+its log, so this exits with that code and adds nothing; any other failure (an uncaught exception: 1, a signal) is
+torchrun's as before: its summary naming the rank and error file, exit 1.
 """
 
 from __future__ import annotations
@@ -15,24 +16,24 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.run import parse_args, run
 
-from mhar_titan.components.exit_codes import MEANING
+from mhar_titan.components.exit_codes import chosen
 
 AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
 
 class _TrainerExits(logging.Filter):
-    """Drops the agent's "failed (exitcode: N) local_rank: ..." line where N is one of the trainer's codes: the
-    trainer's own lines said why."""
+    """Drops the agent's "failed (exitcode: N) local_rank: ..." line where the job chose N: its own lines said why."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (str(record.msg).startswith("failed (exitcode: ") and record.args and record.args[0] in MEANING)
+        msg = str(record.msg)
+        return not (msg.startswith("failed (exitcode: ") and record.args and chosen(record.args[0]))
 
 
 def trainer_exit_code(error: ChildFailedError) -> int | None:
-    """The first failed worker's exit code when the trainer chose it (the others were then stopped by the agent
-    or exited alike), else None."""
+    """The first failed worker's exit code when the job chose it (the others were then stopped by the agent or
+    exited alike), else None."""
     _, first = error.get_first_failure()
-    return first.exitcode if first.exitcode in MEANING else None
+    return first.exitcode if chosen(first.exitcode) else None
 
 
 @record

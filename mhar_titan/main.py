@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torchtitan.tools.logging import init_logger, logger
@@ -13,9 +13,10 @@ from torchtitan.tools.logging import init_logger, logger
 from mhar_titan import cpu
 from mhar_titan.components import run_record
 from mhar_titan.components.exit_codes import REFUSED as REFUSED_EXIT_CODE
+from mhar_titan.components.hooks import Hook
 from mhar_titan.components.run_lock import LockHeld
 from mhar_titan.config import parse_config
-from mhar_titan.train_spec import train_spec
+from mhar_titan.train_spec import build_hooks, train_spec
 from mhar_titan.trainer import CPTTrainer
 
 
@@ -37,25 +38,25 @@ def refusals() -> Iterator[None]:
         raise SystemExit(REFUSED_EXIT_CODE) from None
 
 
-def run(argv: list[str], trainer_cls: type[CPTTrainer] = CPTTrainer) -> None:
-    """Parse, train, and tear down, as torchtitan.train.main does for its Trainer."""
+def run(argv: list[str], trainer_cls: type[CPTTrainer] = CPTTrainer, hooks: Sequence[Hook] = ()) -> None:
+    """Parse, train, and tear down, as torchtitan.train.main does for its Trainer; `hooks` come after the job's own
+    (train_spec.build_hooks), in their order (docs/extending.md)."""
     init_logger()
     with refusals():
         config = parse_config(argv)
+        job_hooks = [*build_hooks(config), *hooks]
     spec = train_spec()  # registered here, where torchtitan's Trainer will look it up
     if cpu.should_activate():
         cpu.activate([spec])
     trainer: CPTTrainer | None = None
     try:
         with refusals():
-            trainer = trainer_cls(config)
+            trainer = trainer_cls(config, job_hooks)
         if config.checkpoint.create_seed_checkpoint:
             if torch.distributed.get_world_size() != 1:
                 raise ValueError("checkpoint.create_seed_checkpoint needs a single process")
             if not config.checkpoint.enable:
                 raise ValueError("checkpoint.create_seed_checkpoint needs checkpoint.enable = true")
-            if trainer.ema is not None:
-                trainer.ema.start()
             trainer.checkpointer.save(curr_step=0, last_step=True)
             # A seed is weights to start from, not a run: no fingerprint; the job that trains it records one
             # (and compares its architecture with this).

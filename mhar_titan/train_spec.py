@@ -1,4 +1,4 @@
-"""The project's torchtitan train spec and its model flavors.
+"""The project's torchtitan train spec and its model flavors, and the job's hooks.
 
 One spec for both arms of the pair: the control and the MHAR run train the
 same code and differ only in their config.
@@ -9,13 +9,25 @@ from __future__ import annotations
 import copy
 
 from torchtitan.components.tokenizer import build_hf_tokenizer
+from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 from data.loader import build_parquet_dataloader
+from mhar_titan.components import resume_faults
+from mhar_titan.components.bad_steps import BadSteps
+from mhar_titan.components.data_progress import DataProgress
+from mhar_titan.components.ema import EMA
+from mhar_titan.components.hooks import Hook
 from mhar_titan.components.loss import build_loss_fn
 from mhar_titan.components.lr_schedule import build_lr_schedulers
 from mhar_titan.components.optimizer import build_optimizers
-from mhar_titan.components.validate import build_fixed_set_validator
+from mhar_titan.components.preemption import Preemption
+from mhar_titan.components.routing_stats import RoutingStatistics
+from mhar_titan.components.run_folder import RunFolder, RunFolderLock
+from mhar_titan.components.run_spikes import RunSpikes
+from mhar_titan.components.step_log import StepLog
+from mhar_titan.components.step_phases import TimeShares
+from mhar_titan.components.validate import Validation, build_fixed_set_validator
 from mhar_titan.config import MODEL_NAME
 from mhar_titan.hf.ledger import LedgerStateDictAdapter
 from mhar_titan.model.args import FLAVORS
@@ -46,3 +58,27 @@ def train_spec() -> TrainSpec:
     except ValueError:
         register_train_spec(MODEL_NAME, build_train_spec())
         return get_train_spec(MODEL_NAME)
+
+
+def build_hooks(job_config: JobConfig) -> list[Hook]:
+    """The concerns the trainer hosts, in the order it calls them at every phase: the run lock first (a job that lost
+    its folder writes nothing more there); the stops in their precedence (non-finite steps, preemption, a source
+    read to its end), the data's check before a resume is recorded; validation after the EMA it swaps in; the log
+    line's parts in the line's order; a test's resume fault last."""
+    ema = EMA(job_config.ema)
+    hooks = [
+        RunFolderLock(),
+        ema,
+        BadSteps(job_config.training.max_bad_steps),
+        RunSpikes(job_config.spikes),
+        Preemption(),
+        DataProgress(),
+        RunFolder(),
+        RoutingStatistics(job_config.mhar),
+        Validation(ema),
+        StepLog(),
+        TimeShares(),
+    ]
+    if resume_faults.requested():
+        hooks.append(resume_faults.ResumeFault())
+    return hooks

@@ -119,6 +119,20 @@ def test_no_import_runs_back_up_the_layers():
     assert not upward, upward
 
 
+def _defines_a_hook(path: Path) -> bool:
+    bases = [b for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef) for b in node.bases]
+    return any(isinstance(b, ast.Name) and b.id == "Hook" for b in bases)
+
+
+def test_the_trainer_imports_none_of_the_concerns_it_hosts():
+    """Each concern is a hook (components/hooks.py) that train_spec.build_hooks lists: the trainer imports the protocol
+    and the loop's own machinery, never a module that defines a hook."""
+    known = _modules()
+    concerns = {name for name, path in known.items() if _defines_a_hook(path)}
+    assert len(concerns) >= 10 and "mhar_titan.components.ema" in concerns  # the walk found the job's hooks
+    assert not _imports("mhar_titan.trainer", known["mhar_titan.trainer"], known) & concerns
+
+
 def test_model_code_imports_no_infrastructure():
     known = _modules()
     for name in MODEL_CODE:

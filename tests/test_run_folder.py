@@ -16,12 +16,14 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from mhar_titan.components import run_checks
+from mhar_titan.components.hooks import Hooks
 from mhar_titan.components.lr_schedule import apply_settings, build_lr_schedulers
 from mhar_titan.components.optimizer import group_settings
 from mhar_titan.components.preemption import STOP_FILE, PreemptionWatch
+from mhar_titan.components.run_folder import RunFolderLock
 from mhar_titan.components.run_lock import LOCK_FILE, LockHeld, RunLock, acquire_everywhere
 from mhar_titan.config import parse_config
-from mhar_titan.run_folder import RunFolder
+from mhar_titan.trainer import CPTTrainer
 
 
 class Clock:
@@ -242,12 +244,10 @@ def test_the_run_lock_is_released_even_when_closing_fails(tmp_path):
         def close(self):
             raise OSError("the background save failed")
 
-    class Job(RunFolder, Closing):
-        pass
-
-    job = Job()
-    job.run_lock = lock(tmp_path, Clock())
-    job.run_lock.acquire()
+    job, held = CPTTrainer.__new__(CPTTrainer), RunFolderLock()
+    job.checkpointer, job.hooks = Closing(), Hooks([held])
+    held.lock = lock(tmp_path, Clock())
+    held.lock.acquire()
     with pytest.raises(OSError, match="the background save failed"):
         job.close()
     assert not (tmp_path / LOCK_FILE).exists()

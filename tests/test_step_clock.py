@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import mhar_titan.components.step_metrics as step_metrics
-from mhar_titan.components.step_metrics import StepClock, StepScalars
+from mhar_titan.components.hooks import SKIP_STEP, Scalar
+from mhar_titan.components.step_metrics import StepClock, StepScalars, reduce_scalars
 
 
 def test_the_eta_counts_the_periodic_work_still_to_come(monkeypatch):
@@ -64,20 +65,27 @@ def test_log_scalars_writes_what_the_logger_writes_one_event_per_step(tmp_path):
 
 def test_step_scalars_come_back_by_name_on_every_kind_of_step():
     scalars = StepScalars()
-    like = torch.zeros(())
-    flags = StepScalars.flags(
-        like, bad=torch.tensor(False), stop=1.0, loss_max=torch.tensor(2.5), lock_lost=False, exhausted=True
-    )
-    # a log step with loss parts and routing statistics
-    packed = scalars.pack(flags, torch.tensor(0.75), torch.tensor([3.0, 2.0, 0.5, 8.0]), torch.arange(6.0))
-    v = scalars.unpack(packed.tolist())
-    assert (v.bad, v.stop, v.loss_max, v.lock_lost, v.exhausted) == (False, True, 2.5, False, True)
-    assert v.grad_norm == 0.75 and v.loss == 3.0 and v.parts == (2.0, 0.5, 8.0) and v.stats == list(range(6))
-    # a step that logs nothing, and a log step whose loss has no parts
-    assert scalars.unpack(scalars.pack(flags, torch.tensor(1.0), None, None).tolist()).loss is None
-    v = scalars.unpack(scalars.pack(flags, torch.tensor(1.0), torch.tensor([4.0]), None).tolist())
-    assert v.loss == 4.0 and v.parts is None and v.stats == []
-    with pytest.raises(ValueError, match="the layout has 7"):
-        scalars.unpack([0.0] * 8)
-    with pytest.raises(ValueError, match="step flags"):
-        StepScalars.flags(like, bad=0.0)
+    # a step with loss parts and routing statistics (one process: reduced as given)
+    named = {
+        SKIP_STEP: Scalar(torch.tensor(False), "max"),
+        "stop": Scalar(torch.tensor(1.0), "max"),
+        "loss_max": Scalar(torch.tensor(2.5), "max"),
+        "grad_norm": Scalar(torch.tensor(0.75)),
+        "loss": Scalar(torch.tensor(3.0), "sum"),
+        "loss_parts": Scalar(torch.tensor([2.0, 0.5, 8.0]), "sum"),
+        "routing_stats": Scalar(torch.arange(6.0).reshape(3, 2), "mean"),
+    }
+    reduced = reduce_scalars(named, None)
+    assert list(reduced) == list(named) and reduced["routing_stats"].shape == (3, 2)
+    assert reduced[SKIP_STEP].dtype == torch.float32 and reduced["loss"].dtype == torch.float64
+    v = scalars.unpack(scalars.pack(reduced).tolist())
+    assert (v[SKIP_STEP], v["stop"], v["loss_max"]) == (0.0, 1.0, 2.5)
+    assert v["grad_norm"] == 0.75 and v["loss"] == 3.0 and v["loss_parts"] == (2.0, 0.5, 8.0)
+    assert v["routing_stats"] == tuple(range(6))
+    # a step with fewer values: the layout is the one packed last
+    v = scalars.unpack(scalars.pack(reduce_scalars({"grad_norm": Scalar(torch.tensor(1.0))}, None)).tolist())
+    assert v == {"grad_norm": 1.0}
+    with pytest.raises(ValueError, match="the layout has 1"):
+        scalars.unpack([0.0] * 2)
+    with pytest.raises(ValueError, match="reduce = 'avg'"):
+        Scalar(torch.zeros(()), "avg")

@@ -13,6 +13,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from mhar_titan.components import checksums, fingerprint
 from mhar_titan.components.checkpoint import DamagedCheckpoint, DataOnlyLoadPlanner, verify_checkpoint
 from mhar_titan.components.checksums import MANIFEST_DIR, verify_share, without_torch_crc32, write_manifest
+from mhar_titan.components.hooks import Step
+from mhar_titan.components.preemption import Preemption
 from mhar_titan.config import parse_config
 from mhar_titan.model.args import FLAVORS
 from mhar_titan.trainer import CPTTrainer
@@ -179,12 +181,11 @@ def test_the_control_fingerprint_ignores_unused_routing_settings_and_records_his
 
 
 def test_a_stop_request_with_checkpointing_off_is_not_a_requeue():
-    trainer = CPTTrainer.__new__(CPTTrainer)
-    trainer.job_config = job("--checkpoint.no-enable")
-    trainer.step = 12
+    trainer, preemption = CPTTrainer.__new__(CPTTrainer), Preemption()
+    preemption.checkpointing = job("--checkpoint.no-enable").checkpoint.enable
     trainer.checkpointer = SimpleNamespace(save_now=lambda step: pytest.fail("nothing can be saved"))
     with pytest.raises(RuntimeError, match="checkpointing is off, so nothing was saved and the job is not requeued"):
-        trainer._stop_for_requeue("SIGTERM")
+        trainer._carry_out([preemption.stop(12, "SIGTERM")], Step(12, last=False, log=False))
 
 
 @pytest.mark.parametrize("max_norm", ["0", "-1", "nan"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from mhar_titan.components.hooks import Hook, Step
+
+STATE = "ema"  # its entry in the checkpoint
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
@@ -75,9 +79,12 @@ class WeightEMA(Stateful):
         """Copy the current weights in, unless a checkpoint already restored the EMA."""
         if self.ready:
             return
+        self._copy_weights()
+        self.ready = True
+
+    def _copy_weights(self) -> None:
         shadows, params = self._pairs()
         torch._foreach_copy_(shadows, params)
-        self.ready = True
 
     @torch.no_grad()
     def update(self, step: int) -> None:
@@ -127,7 +134,11 @@ class WeightEMA(Stateful):
             if isinstance(module, FSDPModule):
                 module.reshard()
 
+    @torch.no_grad()
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """The EMA; before it has started (a seed checkpoint, written before any step) that is the weights."""
+        if not self.ready:
+            self._copy_weights()  # not `ready`: a checkpoint loaded into these tensors restores the EMA, else start()
         return dict(self.shadow)
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -139,3 +150,29 @@ class WeightEMA(Stateful):
                 if state_dict[name] is not t:  # DCP loads in place; a plain dict is copied
                     t.copy_(state_dict[name])
         self.ready = True
+
+
+class EMA(Hook):
+    """The weight EMA in a job (`[ema]`): kept from the weights the run loaded, updated after every applied step,
+    checkpointed as an entry of its own; validation swaps it in (components/validate.py)."""
+
+    name = "ema"
+
+    def __init__(self, settings: Any):
+        self.settings = settings
+        self.ema: WeightEMA | None = None
+
+    def set_up(self, trainer: Any) -> None:
+        if self.settings.enable:
+            self.ema = WeightEMA(trainer.model_parts[0], self.settings.beta, self.settings.every)
+
+    def checkpointed(self) -> dict[str, WeightEMA]:
+        return {} if self.ema is None else {STATE: self.ema}
+
+    def start(self, step: int) -> None:
+        if self.ema is not None:
+            self.ema.start()  # after the load: a restored EMA stays, otherwise it starts from the loaded weights
+
+    def after_step(self, step: Step) -> None:
+        if self.ema is not None and step.applied:
+            self.ema.update(step.number)

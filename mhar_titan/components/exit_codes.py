@@ -1,4 +1,4 @@
-"""The trainer's exit codes, which the launchers pass on to the shell and to SLURM (docs/cluster.md).
+"""The trainer's exit codes, which the launchers pass on to the shell and to SLURM (docs/health.md).
 
 A module of their own so that the launcher (mhar_titan.launch) reads them without importing the trainer.
 """
@@ -12,3 +12,9 @@ MEANING = {
     DATA_EXHAUSTED: "a data source ran out (on_source_exhausted = stop); checkpoint written",
     REQUEUE: "preempted; checkpoint written; requeue",
 }
+
+
+def chosen(code: object) -> bool:
+    """Whether a worker's exit code is one a job gives on purpose (sys.exit with 2 to 125: the codes above, or a hook's
+    stop with a code of its own), not an uncaught exception (1) or a signal (negative)."""
+    return isinstance(code, int) and 2 <= code <= 125

@@ -19,12 +19,14 @@ import json
 import os
 import signal
 import time
+from typing import Any
 
+import torch
 from torchtitan.tools.logging import logger
 
 from data.atomic import write_text
-from mhar_titan.components.exit_codes import DATA_EXHAUSTED as DATA_EXHAUSTED_EXIT_CODE
 from mhar_titan.components.exit_codes import REQUEUE as REQUEUE_EXIT_CODE
+from mhar_titan.components.hooks import Hook, Request, Scalar, Step, Stop, on_device
 
 STOP_FILE = "STOP"
 MARKER_FILE = "preempted.json"
@@ -39,22 +41,6 @@ class Preempted(SystemExit):
     def __init__(self, step: int, reason: str):
         super().__init__(REQUEUE_EXIT_CODE)
         self.step, self.reason = step, reason
-
-
-class SourcesExhausted(SystemExit):
-    """`[data] on_source_exhausted = "stop"` and a source was read to its end: the run stops short of
-    training.steps, with a checkpoint, and exits with DATA_EXHAUSTED_EXIT_CODE, never 0 ("completed")."""
-
-    def __init__(self, step: int, total: int, sources: list[str], again: bool):
-        super().__init__(DATA_EXHAUSTED_EXIT_CODE)
-        names = ", ".join(sources)
-        when = f"stopped at step {step} of {total}" if again else f"stops at step {step} of {total}, with a checkpoint"
-        self.message = (
-            f"mixture source(s) {names} read to their end with [data] on_source_exhausted = 'stop': the run {when}"
-            + (", before training any step" if again else "")
-            + f" (exit {DATA_EXHAUSTED_EXIT_CODE}). To go on: add shards to the source (allow_changes data) or "
-            "set on_source_exhausted = 'repeat' (allow_changes data); or export this checkpoint as the result"
-        )
 
 
 class PreemptionWatch:
@@ -126,3 +112,49 @@ class PreemptionWatch:
         write_text(path, json.dumps({"step": step, "reason": reason, "time": time.time()}))
         if os.path.exists(self.stop_file):
             os.remove(self.stop_file)
+
+
+class Preemption(Hook):
+    """The watch in a job: every rank's request agreed each step (rank 0 alone reads the STOP file), and a stop
+    short of the last step with a checkpoint, the marker and REQUEUE_EXIT_CODE."""
+
+    name = "preemption"
+
+    def set_up(self, trainer: Any) -> None:
+        cfg = trainer.job_config
+        self.rank0 = torch.distributed.get_rank() == 0
+        self.checkpointing = cfg.checkpoint.enable
+        self.watch = PreemptionWatch(cfg.job.dump_folder)
+        self.asked: str | None = None
+        self.reason: str | None = None
+        if self.rank0:
+            self.watch.clear_stale_marker()
+
+    def scalars(self, step: Step) -> dict[str, Scalar]:
+        self.asked = self.watch.local_request(check_file=self.rank0)
+        return {"stop": Scalar(on_device(self.asked is not None, step.loss), "max")}
+
+    def after_step(self, step: Step) -> None:
+        self.reason = (self.asked or "another rank was asked to stop") if step.values["stop"] else None
+
+    def request(self, step: Step) -> Request | None:
+        return None if self.reason is None or step.last else self.stop(step.number, self.reason)
+
+    def stop(self, step: int, reason: str) -> Stop:
+        """A checkpoint, the marker (rank 0), exit REQUEUE_EXIT_CODE; with checkpointing off a plain failure: a
+        requeued job would start over from the base."""
+        if not self.checkpointing:
+            error = RuntimeError(
+                f"step {step}: asked to stop ({reason}); checkpointing is off, so nothing was saved and "
+                "the job is not requeued (it would start over from step 0)"
+            )
+            return Stop(reason, error, checkpoint=False)
+
+        def requeue() -> None:
+            if self.rank0:
+                self.watch.mark(step, reason)
+            logger.warning(
+                f"step {step}: preempted ({reason}); checkpoint written; exiting {REQUEUE_EXIT_CODE} to be requeued"
+            )
+
+        return Stop(reason, Preempted(step, reason), after_checkpoint=requeue)

@@ -11,6 +11,9 @@ from typing import Any
 
 from torchtitan.tools.logging import logger
 
+from mhar_titan.components.ema import STATE as EMA_STATE
+from mhar_titan.components.hooks import Hook
+
 ENV = "MHAR_TEST_RESUME_FAULT"
 FAULTS = {
     "data": "the data position one batch ahead",
@@ -47,7 +50,19 @@ def inject(trainer: Any, data_iterator: Iterator) -> None:
             for i, group in enumerate(scheduler.optimizer.param_groups):
                 group["lr"] = scheduler.base_lrs[i] * scheduler.lr_lambdas[i](0)
             scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
-    elif trainer.ema is not None:  # "ema": as if the checkpoint had not restored it
-        trainer.ema.ready = False
-        trainer.ema.start()
+    elif (ema := trainer.checkpointer.states.get(EMA_STATE)) is not None:  # as if the checkpoint had not restored it
+        ema.ready = False
+        ema.start()
     logger.warning(f"TEST FAULT ({ENV}): {FAULTS[fault]} at the resume from step {trainer.step}")
+
+
+class ResumeFault(Hook):
+    """The fault MHAR_TEST_RESUME_FAULT names, broken in at the start of a resumed job (the last hook to start)."""
+
+    name = "resume_fault"
+
+    def set_up(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def start(self, step: int) -> None:
+        inject(self.trainer, self.trainer.data_iterator)

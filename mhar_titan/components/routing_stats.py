@@ -2,8 +2,9 @@
 
 The model leaves the [n_layers, 2, 2 + num_blocks + 1] statistics of its last forward in
 `model.routing_stats` (on the steps the trainer asks for them; columns: gate, entropy, then each
-source's mean weight, NaN where a layer's block has no such source); these are averaged over
-data-parallel ranks on the device, read back with the step's other values, and named here:
+source's mean weight, NaN where a layer's block has no such source); the hook `RoutingStatistics` asks for them,
+has them averaged over the data-parallel ranks on the device and read back with the step's other values (a
+`mean` Scalar, components/hooks.py), and names them here:
 `mhar_<site>_<stat>/layerNN` per site (gate, entropy, w_null, w_embed, w_deltas: all deltas
 summed, and w_d00, w_d01, ...: each block delta D_k the layer reads), with `mhar/<stat>/mean` over
 all sites (tensorboard_scalars.py holds the names).
@@ -14,9 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
+from mhar_titan.components.hooks import Hook, Scalar, Step
 from mhar_titan.components.tensorboard_scalars import (
     ROUTING_MEAN_STATS,
     routing_mean_tag,
@@ -24,15 +24,6 @@ from mhar_titan.components.tensorboard_scalars import (
     routing_sources,
 )
 from mhar_titan.model.model import SITE_NAMES, STAT_NAMES
-
-
-def average_routing_stats(stats: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
-    """The mean of `stats` over `mesh` (every rank must call), on the device, fp32."""
-    stats = stats.detach().float().clone()
-    if mesh is not None and mesh.size() > 1:
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=mesh.get_group())
-        stats /= mesh.size()
-    return stats
 
 
 def name_routing_stats(values: torch.Tensor) -> dict[str, float]:
@@ -67,3 +58,33 @@ def name_routing_stats(values: torch.Tensor) -> dict[str, float]:
 def stats_due(mhar: Any, step: int) -> bool:
     """At step 1 (as torchtitan's metrics) and every `[mhar] stats_freq` steps: charts start at the start."""
     return mhar.enable and mhar.stats_freq > 0 and (step == 1 or step % mhar.stats_freq == 0)
+
+
+class RoutingStatistics(Hook):
+    """The MHAR arm's routing statistics, on the steps `stats_due` names (nothing for the control)."""
+
+    name = "routing_stats"
+
+    def __init__(self, mhar: Any):
+        self.mhar = mhar
+
+    def set_up(self, trainer: Any) -> None:
+        self.model, self.n_layers = trainer.model_parts[0], trainer.model_args.n_layers
+
+    def before_step(self, step: Step) -> None:
+        if self.mhar.enable:  # the model keeps its statistics of this step's training forwards
+            self.model.collect_routing_stats = stats_due(self.mhar, step.number)
+
+    def after_backward(self, step: Step) -> None:
+        if self.mhar.enable:
+            self.model.collect_routing_stats = False
+
+    def scalars(self, step: Step) -> dict[str, Scalar]:
+        if not stats_due(self.mhar, step.number) or self.model.routing_stats is None:
+            return {}
+        return {"routing_stats": Scalar(self.model.routing_stats, "mean")}
+
+    def metrics(self, step: Step) -> dict[str, float]:
+        if "routing_stats" not in step.values:
+            return {}
+        return name_routing_stats(torch.tensor(step.values["routing_stats"]).reshape(self.n_layers, 2, -1))

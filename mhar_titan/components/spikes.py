@@ -5,7 +5,8 @@ move. A step scoring above `threshold` is a spike: a warning line, TensorBoard s
 `keep_checkpoint_before`, the newest complete checkpoint before it kept out of retention.
 
 The windows are part of the trainer's checkpointed state, so a resumed job scores every step as the uninterrupted
-job did; spikes.jsonl is cut back to the resumed step at start, as TensorBoard's purge cuts its scalars.
+job did; spikes.jsonl is cut back to the resumed step at start, as TensorBoard's purge cuts its scalars. In a job
+the hook components/run_spikes.py runs the monitor; this module, the score and the record, is what tools read.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import math
 import os
 import statistics
 from collections import deque
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -43,18 +43,20 @@ class Spike:
 
 
 class SpikeMonitor:
-    def __init__(self, window: int, min_history: int, threshold: float):
-        self.window, self.min_history, self.threshold = window, min_history, threshold
-        self.history = {tag: deque(maxlen=window) for tag in TAGS}
-        self.count = {tag: 0 for tag in TAGS}
+    """`tags`: the values scored, by name (the loss and the gradient norm, and any a hook adds)."""
+
+    def __init__(self, window: int, min_history: int, threshold: float, tags: tuple[str, ...] = TAGS):
+        self.window, self.min_history, self.threshold, self.tags = window, min_history, threshold, tags
+        self.history = {tag: deque(maxlen=window) for tag in tags}
+        self.count = {tag: 0 for tag in tags}
         self.scores: dict[str, float] = {}  # the last step's, for its log line
 
     def observe(self, step: int, values: dict[str, float]) -> list[Spike]:
         """Score this step's finite values against the steps before, then add them to the windows (a spike too:
         the median and MAD hardly move for one value, and a lasting shift becomes the new normal)."""
         spikes, self.scores = [], {}
-        for tag in TAGS:
-            x = values[tag]
+        for tag in self.tags:
+            x = values.get(tag, math.nan)
             if not math.isfinite(x):  # a bad step: skipped and counted elsewhere (components/bad_steps.py)
                 continue
             past = self.history[tag]
@@ -77,14 +79,16 @@ class SpikeMonitor:
 
     def state(self) -> str:
         """The windows and counts as JSON, for the trainer's checkpointed state (plain data, no pickle)."""
-        return json.dumps({"window": self.window, "history": {t: list(h) for t, h in self.history.items()},
-                           "count": self.count})  # fmt: skip
+        history = {t: list(h) for t, h in self.history.items()}
+        return json.dumps({"window": self.window, "history": history, "count": self.count})
 
     def load(self, state: str) -> None:
+        """A resume with another window keeps the newest values that fit; a tag the state lacks (a value scored
+        from this start on) starts empty."""
         saved = json.loads(state)
-        for tag in TAGS:  # a resume with another window keeps the newest values that fit
-            self.history[tag] = deque(saved["history"][tag][-self.window :], maxlen=self.window)
-            self.count[tag] = int(saved["count"][tag])
+        for tag in self.tags:
+            self.history[tag] = deque(saved["history"].get(tag, [])[-self.window :], maxlen=self.window)
+            self.count[tag] = int(saved["count"].get(tag, 0))
 
 
 def newest_before(steps: list[int], step: int) -> int | None:
@@ -117,48 +121,6 @@ def cut_back(folder: str, step: int) -> list[Spike]:
     if os.path.isfile(os.path.join(folder, FILE)):
         _write(folder, kept)
     return kept
-
-
-class RunSpikes:
-    """The monitor in a job: scores each applied step, says so, records the spikes (rank 0), keeps the checkpoint
-    before each out of retention where asked (rank 0, which purges), and restores all of that at a resume. With
-    `[spikes] enable = false` every method does nothing."""
-
-    def __init__(self, settings: Any, dump_folder: str, rank0: bool, say: Callable[[str], None],
-                 checkpoints: Callable[[], list[int]]):  # fmt: skip
-        self.enabled, self.keep_before = settings.enable, settings.keep_checkpoint_before
-        self.monitor = SpikeMonitor(settings.window, settings.min_history, settings.threshold)
-        self.folder, self.rank0, self.say, self.checkpoints = dump_folder, rank0, say, checkpoints
-        self.kept: set[int] = set()  # the checkpoints kept for a spike: the checkpointer's purge leaves them
-
-    def start(self, step: int) -> None:
-        """After the load: the record cut back to the step resumed from, and the checkpoints it keeps."""
-        if self.enabled and self.rank0:
-            self.kept |= {s.kept_checkpoint for s in cut_back(self.folder, step) if s.kept_checkpoint is not None}
-
-    def observe(self, step: int, loss: float, grad_norm: float) -> dict[str, float]:
-        """An applied step's global loss and gradient norm; TensorBoard scalars for its step if it spiked."""
-        spikes = self.monitor.observe(step, {"loss": loss, "grad_norm": grad_norm}) if self.enabled else []
-        if spikes and self.rank0:
-            before = newest_before(self.checkpoints(), step) if self.keep_before else None
-            for s in spikes:
-                s.kept_checkpoint = before
-            self.kept |= {before} - {None}
-            append(self.folder, spikes)
-        for s in spikes:
-            self.say(s.line(self.monitor.threshold, self.monitor.window))
-        return {f"spikes/{s.tag}": s.value for s in spikes} | {f"spikes/{s.tag}_spike_score": s.score for s in spikes}
-
-    def metrics(self) -> dict[str, float]:
-        return self.monitor.metrics() if self.enabled else {}
-
-    def state(self) -> dict[str, str]:
-        """The trainer's checkpointed entry (none with scoring off)."""
-        return {"spikes": self.monitor.state()} if self.enabled else {}
-
-    def load(self, trainer_state: dict[str, Any]) -> None:
-        if self.enabled:
-            self.monitor.load(trainer_state["spikes"])
 
 
 def summary(folder: str) -> dict[str, Any]:

@@ -1,25 +1,16 @@
-"""What a training step logs: TensorBoard scalars (loss and its parts, gradient norm, every LR, data counters and
-shares, throughput, memory, routing statistics) and one readable line, from the values the step read back."""
+"""What a training step logs, as a hook (components/hooks.py): on log steps, TensorBoard scalars (the loss and its
+parts, the largest rank's loss, the gradient norm, every group's LR, tokens seen, throughput, MFU, memory) and the
+log line's head, from the values the step read back. The other hooks add their own scalars and parts of the line
+(the data's counters, spikes, routing statistics, time shares)."""
 
 from __future__ import annotations
 
-import torch
-from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.config import JobConfig
-from torchtitan.tools.logging import logger
+from typing import Any
 
-from data.counters import mixture_shares, stage_shares, token_shares
-from data.loader import ParquetDataLoader, gather_counters
-from mhar_titan.components.routing_stats import name_routing_stats
-from mhar_titan.components.step_metrics import (
-    StepClock,
-    StepValues,
-    flush,
-    log_scalars,
-    rank_peaks,
-    throughput,
-)
-from mhar_titan.components.step_phases import StepPhases, shares_text
+from torchtitan.config import JobConfig
+
+from mhar_titan.components.hooks import Hook, Step
+from mhar_titan.components.step_metrics import rank_peaks, throughput
 
 
 def mfu_note(job_config: JobConfig) -> str:
@@ -28,57 +19,38 @@ def mfu_note(job_config: JobConfig) -> str:
     return " (bf16-equivalent)" if any("float8" in c for c in job_config.model.converters) else ""
 
 
-class StepLog:
-    def __init__(self, mp: MetricsProcessor, job_config: JobConfig, device: torch.device, n_layers: int,
-                 dataloader: ParquetDataLoader, clock: StepClock, phases: StepPhases):  # fmt: skip
-        self.mp, self.cfg, self.device, self.n_layers = mp, job_config, device, n_layers
-        self.dataloader, self.clock, self.phases = dataloader, clock, phases
-        self.mfu_note = mfu_note(job_config)
+class StepLog(Hook):
+    name = "step_log"
 
-    def write(self, step: int, v: StepValues, lrs: dict[str, float], tokens_seen: int, skipped: int,
-              extra: dict[str, float]) -> None:  # fmt: skip
-        """`lrs`: each group's LR as the step applied it (the scheduler has moved on since); `extra`: more scalars
-        of a log step (the spike scores). Log steps write the scalars and the line (the loss may come on other
-        steps too, for the spike scores), routing statistics their own steps; every rank calls (the counters are
-        gathered)."""
-        self.clock.tick(step)
-        schedule = self.dataloader.schedule
-        if schedule.staged and step > 1 and schedule.at(step).start == step:
-            stage = schedule.describe(self.dataloader.names)[schedule.at(step).number - 1]
-            shares = ", ".join(f"{name} {w:.1%}" for name, w in stage["weights"].items())
-            logger.info(f"[data] mixture stage {stage['number']} begins at step {step}: {shares}")
-        if v.loss is not None and self.mp.should_log(step):
-            metrics = {**self._metrics(step, v, lrs, tokens_seen, skipped), **extra}
-            log_scalars(self.mp.logger, metrics, step)
-            flush(self.mp)
-            logger.info(self._line(step, v, metrics, lrs, tokens_seen))
-        if v.stats:
-            named = name_routing_stats(torch.tensor(v.stats).reshape(self.n_layers, 2, -1))
-            log_scalars(self.mp.logger, named, step)
+    def set_up(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.mfu_note = mfu_note(trainer.job_config)
 
-    def _metrics(self, step: int, v: StepValues, lrs: dict[str, float], tokens_seen: int, skipped: int) -> dict:
-        counters = gather_counters(self.dataloader)
-        metrics = {f"data/{k}": value for k, value in counters.items()}
-        metrics.update({**mixture_shares(counters), **token_shares(counters, top=self.cfg.data.token_share_sources)})
-        if self.dataloader.schedule.staged:  # the stage this step trained in, and the shares delivered in it
-            metrics.update({"data/stage": self.dataloader.schedule.at(step).number, **stage_shares(counters)})
-        metrics.update({"train/loss": v.loss, "train/loss_max": v.loss_max, "grad_norm": v.grad_norm,
-                        "tokens_seen": tokens_seen, "train/skipped_steps": skipped})  # fmt: skip
-        if v.parts:  # CE and z-loss of this step, per valid token over all ranks
-            ce, z, tokens = v.parts
+    def metrics(self, step: Step) -> dict[str, float]:
+        """On log steps (every rank: the memory peaks are gathered)."""
+        if not step.log:
+            return {}
+        v, t = step.values, self.trainer
+        metrics = {
+            "train/loss": v["loss"],
+            "train/loss_max": v["loss_max"],
+            "grad_norm": v["grad_norm"],
+            "tokens_seen": t.tokens_seen,
+        }
+        if "loss_parts" in v:  # CE and z-loss of this step, per valid token over all ranks
+            ce, z, tokens = v["loss_parts"]
             metrics.update({"train/ce": ce / tokens, "train/z_loss": z / tokens})
-        metrics.update({f"lr/{name}": lr for name, lr in lrs.items()})
-        metrics.update(throughput(self.mp))
-        metrics.update(rank_peaks(metrics["memory/peak_active_gib"], self.device))
-        metrics.update(self.phases.take(self.clock.take_pauses()))
+        metrics.update({f"lr/{name}": lr for name, lr in step.lrs.items()})
+        metrics.update(throughput(t.metrics_processor))
+        metrics.update(rank_peaks(metrics["memory/peak_active_gib"], t.device))
         return metrics
 
-    def _line(self, step: int, v: StepValues, m: dict[str, float], lrs: dict[str, float], tokens_seen: int) -> str:
+    def line(self, step: Step, m: dict[str, float]) -> str:
+        v, clock = step.values, self.trainer.clock
         return (
-            f"step {step}/{self.cfg.training.steps}  loss {v.loss:.4f}"
-            + (f" (ce {m['train/ce']:.4f})" if v.parts else "")
-            + f"  lr {next(iter(lrs.values())):.2e}  grad_norm {v.grad_norm:.3f}"
-            f"  {m['tokens_per_s']:,.0f} tok/s/dev  {self.clock.pace(tokens_seen)}"
-            f"  mfu {m['mfu']:.1f}%{self.mfu_note}  mem {m['memory/peak_reserved_gib']:.1f} GiB  eta {self.clock.eta()}"
-            f"  {shares_text(m)}"
+            f"step {step.number}/{self.trainer.job_config.training.steps}  loss {v['loss']:.4f}"
+            + (f" (ce {m['train/ce']:.4f})" if "loss_parts" in v else "")
+            + f"  lr {next(iter(step.lrs.values())):.2e}  grad_norm {v['grad_norm']:.3f}"
+            f"  {m['tokens_per_s']:,.0f} tok/s/dev  {clock.pace(self.trainer.tokens_seen)}"
+            f"  mfu {m['mfu']:.1f}%{self.mfu_note}  mem {m['memory/peak_reserved_gib']:.1f} GiB  eta {clock.eta()}"
         )

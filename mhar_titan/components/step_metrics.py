@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 from torchtitan.components.metrics import BaseLogger, MetricsProcessor, TensorBoardLogger
 
+from mhar_titan.components.hooks import Scalar
 from mhar_titan.titan_compat import each_logger, take_log_window, tensorboard_writer
 
 
@@ -69,67 +70,52 @@ def to_device_nowait(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-FLAGS = ("bad", "stop", "loss_max", "lock_lost", "exhausted")  # agreed by one MAX all-reduce a step
+_KINDS = (("max", torch.float32), ("sum", torch.float64), ("mean", torch.float32), ("none", torch.float64))
 
 
-@dataclasses.dataclass
-class StepValues:
-    """A step's scalars as the host reads them back: the agreed flags, the gradient norm, on log steps the loss
-    summed over the data-parallel ranks with its parts' sums (CE, z-term, valid tokens) when the loss has parts,
-    and on their steps the routing statistics."""
-
-    bad: bool
-    stop: bool
-    loss_max: float
-    lock_lost: bool
-    exhausted: bool
-    grad_norm: float
-    loss: float | None
-    parts: tuple[float, ...] | None
-    stats: list[float]
+def reduce_scalars(named: dict[str, Scalar], dp_group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """Each named value combined over the ranks as its `reduce` says, on the device, in the order given: one
+    all-reduce per kind present (`max` over every rank, `sum` and `mean` over the data-parallel group `dp_group`),
+    each kind in its dtype (components/hooks.py, Scalar). Every rank must call with the same names."""
+    out: dict[str, torch.Tensor] = {}
+    for kind, dtype in _KINDS:
+        names = [name for name, s in named.items() if s.reduce == kind]
+        if not names:
+            continue
+        values = [named[name].value.detach() for name in names]
+        flat = torch.cat([v.to(dtype).reshape(-1) for v in values])
+        if kind == "max" and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+        elif kind in ("sum", "mean") and dp_group is not None:
+            dist.all_reduce(flat, group=dp_group)
+            if kind == "mean":
+                flat /= dist.get_world_size(dp_group)
+        for name, v, piece in zip(names, values, flat.split([v.numel() for v in values]), strict=True):
+            out[name] = piece.reshape(v.shape)
+    return {name: out[name] for name in named}
 
 
 class StepScalars:
-    """The layout of the one tensor a step reads back (`StepReadback`): named values in, named values out, so
-    no caller counts positions."""
+    """The layout of the one tensor a step reads back (`StepReadback`): named values in, named values out, so no
+    caller counts positions. A 0-dim value reads back as a float, any other as the tuple of its elements."""
 
     def __init__(self) -> None:
-        self.n_loss = self.n_stats = 0
+        self.layout: list[tuple[str, int, bool]] = []  # (name, elements, a 0-dim value)
 
-    @staticmethod
-    def flags(like: torch.Tensor, **named: torch.Tensor | float) -> torch.Tensor:
-        """The FLAGS, by name, stacked on `like`'s device in float32 (without a host copy of a device value)."""
-        if set(named) != set(FLAGS):
-            raise ValueError(f"step flags {sorted(named)}, expected {sorted(FLAGS)}")
-        return torch.stack(
-            [
-                v.float().reshape(()) if torch.is_tensor(v) else like.new_full((), float(v), dtype=torch.float32)
-                for v in map(named.get, FLAGS)
-            ]
-        )
+    def pack(self, named: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.layout = [(name, t.numel(), t.dim() == 0) for name, t in named.items()]
+        return torch.cat([t.detach().double().reshape(-1) for t in named.values()])
 
-    def pack(
-        self, flags: torch.Tensor, grad_norm: torch.Tensor, loss_sums: torch.Tensor | None, stats: torch.Tensor | None
-    ) -> torch.Tensor:
-        self.n_loss = 0 if loss_sums is None else loss_sums.numel()
-        self.n_stats = 0 if stats is None else stats.numel()
-        pieces = [flags.double().flatten(), grad_norm.detach().double().reshape(1)]
-        pieces += [t.detach().double().flatten() for t in (loss_sums, stats) if t is not None]
-        return torch.cat(pieces)
-
-    def unpack(self, values: list[float]) -> StepValues:
-        n_flags = len(FLAGS)
-        if len(values) != n_flags + 1 + self.n_loss + self.n_stats:
-            raise ValueError(f"{len(values)} step values, the layout has {n_flags + 1 + self.n_loss + self.n_stats}")
-        named = dict(zip(FLAGS, values[:n_flags], strict=True))
-        sums = values[n_flags + 1 : n_flags + 1 + self.n_loss]
-        return StepValues(
-            **{k: v if k == "loss_max" else bool(v) for k, v in named.items()},
-            grad_norm=values[n_flags],
-            loss=sums[0] if sums else None,
-            parts=tuple(sums[1:]) if len(sums) > 1 else None,
-            stats=values[n_flags + 1 + self.n_loss :],
-        )
+    def unpack(self, values: list[float]) -> dict[str, float | tuple[float, ...]]:
+        expected = sum(n for _, n, _ in self.layout)
+        if len(values) != expected:
+            raise ValueError(f"{len(values)} step values, the layout has {expected}")
+        out: dict[str, float | tuple[float, ...]] = {}
+        at = 0
+        for name, n, scalar in self.layout:
+            out[name] = values[at] if scalar else tuple(values[at : at + n])
+            at += n
+        return out
 
 
 class StepReadback:

@@ -13,8 +13,11 @@ optimizer is still running when the window closes counts in the next window); on
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
+
+from mhar_titan.components.hooks import Hook, Step
 
 SHARES = ("data", "forward_backward", "optimizer", "checkpoint", "validation")
 SHORT = {"data": "data", "forward_backward": "fwd+bwd", "optimizer": "opt", "checkpoint": "ckpt",
@@ -95,3 +98,36 @@ def shares_text(metrics: dict[str, float]) -> str:
     """'time data 1% fwd+bwd 84% opt 9% ckpt 0% val 0% other 6%' for the log line."""
     parts = [f"{SHORT[k]} {metrics[f'time/{k}']:.0%}" for k in (*SHARES, "other") if f"time/{k}" in metrics]
     return "time " + " ".join(parts)
+
+
+class TimeShares(Hook):
+    """The phases marked at the loop's boundaries (the forward by the model's forward hook), and on log steps the
+    window's memory and time shares in TensorBoard and at the end of the log line."""
+
+    name = "time_shares"
+
+    def set_up(self, trainer: Any) -> None:
+        self.phases, self.clock = StepPhases(trainer.device), trainer.clock
+        trainer.model_parts[0].register_forward_hook(self._after_forward)
+
+    def _after_forward(self, *_: Any) -> None:
+        if torch.is_grad_enabled():  # a training forward, not validation
+            self.phases.mark("forward")
+
+    def before_step(self, step: Step) -> None:
+        self.phases.mark("fetch")
+
+    def after_data(self, step: Step) -> None:
+        self.phases.mark("data")
+
+    def after_backward(self, step: Step) -> None:
+        self.phases.mark("backward")
+
+    def after_step(self, step: Step) -> None:
+        self.phases.mark("optimizer")
+
+    def metrics(self, step: Step) -> dict[str, float]:
+        return self.phases.take(self.clock.take_pauses()) if step.log else {}
+
+    def line(self, step: Step, metrics: dict[str, float]) -> str:
+        return shares_text(metrics)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -29,8 +30,11 @@ from data.atomic import write_text
 from data.loader import Encoder, ValidationLoader, data_config
 from data.mixture import parse_mixture, parse_validation_sets
 from data.shards import list_shards
-from mhar_titan.components.ema import WeightEMA
+from mhar_titan import titan_compat
+from mhar_titan.components.ema import EMA, WeightEMA
+from mhar_titan.components.hooks import Hook, Step
 from mhar_titan.components.loss import cross_entropy_sum
+from mhar_titan.components.step_metrics import flush, log_scalars
 from mhar_titan.components.tensorboard_scalars import PRIMARY_TAGS, set_tags
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -200,3 +204,41 @@ def build_fixed_set_validator(
         sizes = {"seq_len": v.seq_len, "batch": v.local_batch_size, "dp_rank": dp_rank, "dp_world": dp_world_size}
         loaders.append(ValidationLoader(cfg, held, encode, **sizes, vset=vset))
     return FixedSetValidator(job_config, loaders, parallel_dims, validation_context, maybe_enable_amp, tokenizer)
+
+
+class Validation(Hook):
+    """Validation in a job: the base at step 0 (`[validation] at_start`, a fresh start only), then every
+    `validation.freq` steps after the step's checkpoint; the raw weights and the EMA's (`ema`'s, swapped in)."""
+
+    name = "validation"
+
+    def __init__(self, ema: EMA):
+        self.ema = ema
+
+    def set_up(self, trainer: Any) -> None:
+        self.trainer, self.settings = trainer, trainer.job_config.validation
+
+    def start(self, step: int) -> None:
+        if self.settings.enable and self.settings.at_start and step == 0:
+            self.validate(0)  # the base, before any update (a resume does not repeat it): each arm's reference
+
+    def after_save(self, step: Step) -> None:
+        if self.settings.enable and self.trainer.validator.should_validate(step.number):
+            self.validate(step.number)
+
+    def validate(self, step: int) -> None:
+        """Every validation set with the raw and EMA weights to TensorBoard and, on rank 0, every batch's CE to
+        validation/step-N.json; its time is left out of the training throughput and counted in the ETA."""
+        t = self.trainer
+        t.optimizers.zero_grad()  # the last step's gradients are not read again: validation gets their memory
+        t.checkpointer.maybe_wait_for_staging()  # a background save still copying the weights the EMA swaps
+        began = time.perf_counter()
+        folder = os.path.join(t.job_config.job.dump_folder, "validation")
+        record = folder if dist.get_rank() == 0 else None
+        metrics = run_validation(t.validator, t.model_parts, step, self.ema.ema, record)
+        log_scalars(t.metrics_processor.logger, metrics, step)
+        flush(t.metrics_processor)
+        spent = time.perf_counter() - began
+        titan_compat.leave_out_of_log_window(t.metrics_processor, spent)
+        t.clock.pause(spent, "validation", self.settings.freq)
+        logger.info(f"validation at step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
