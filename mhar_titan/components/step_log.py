@@ -20,6 +20,7 @@ from mhar_titan.components.step_metrics import (
     throughput,
 )
 from mhar_titan.components.step_phases import StepPhases, shares_text
+from mhar_titan.model.sources import SITE_NAMES
 
 
 def mfu_note(job_config: JobConfig) -> str:
@@ -53,7 +54,7 @@ class StepLog:
             flush(self.mp)
             logger.info(self._line(step, v, metrics, lrs, tokens_seen))
         if v.stats:
-            named = name_routing_stats(torch.tensor(v.stats).reshape(self.n_layers, 2, -1))
+            named = name_routing_stats(torch.tensor(v.stats).reshape(self.n_layers, len(SITE_NAMES), -1))
             log_scalars(self.mp.logger, named, step)
 
     def _metrics(self, step: int, v: StepValues, lrs: dict[str, float], tokens_seen: int, skipped: int) -> dict:
