@@ -26,7 +26,9 @@ from triton.compiler import ASTSource
 from kernels.triton.backward import route_bwd_mix_kernel, route_bwd_stats_kernel
 from kernels.triton.forward import route_fwd_kernel, route_fwd_sites_kernel
 from kernels.triton.launch import DEFAULT_TABLES, MAX_SOURCES, fwd_launch, mix_launch, sites_launch, stats_launch
+from mhar_titan.model.sources import SourceLayout
 
+GEOMETRY_8B = SourceLayout(num_blocks=8, n_layers=32)  # docs/design.md section 3.7
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTXAS = os.path.join(BIN, "ptxas")
 
@@ -95,11 +97,15 @@ def block_rows(args, types: dict[str, object], m: int, itemsize: int) -> dict[st
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sources", type=int, default=8, help="caller sources (N - 1)")
+    parser.add_argument(
+        "--sources", type=int, default=GEOMETRY_8B.max_caller_sources, help="caller sources (N - 1; the 8B's most)"
+    )
     parser.add_argument("--dim", type=int, default=4096, help="model width d")
     parser.add_argument("--heads", type=int, default=8, help="routing heads H")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="the sources' dtype")
-    parser.add_argument("--sites", type=int, default=8, help="sites of the block forward (a block's 2 x layers)")
+    parser.add_argument(
+        "--sites", type=int, default=GEOMETRY_8B.sites_per_block, help="sites of the block forward (an 8B block's)"
+    )
     parser.add_argument("--sass", action="store_true", help="also count the row kernels' instructions by opcode")
     args = parser.parse_args()
     if not 1 <= args.sources <= MAX_SOURCES:

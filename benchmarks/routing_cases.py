@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from kernels import route_torch, routing_source
 from kernels.triton.autograd import route_eager, route_op, route_sites_eager
 from kernels.triton.launch import LaunchTables
+from mhar_titan.model.sources import SITE_NAMES, SourceLayout
 
 DTYPE = torch.bfloat16
 
@@ -114,24 +115,23 @@ class Microbatch:
     def __init__(
         self, B: int, T: int, d: int, num_layers: int, num_blocks: int, device: str = "cuda", dtype: torch.dtype = DTYPE
     ):
-        per_block = num_layers // num_blocks
+        layout = SourceLayout(num_blocks, num_layers)
         dev = {"device": device, "dtype": dtype}
-        self.sources = [torch.randn(B, T, d, **dev).requires_grad_() for _ in range(num_blocks)]
+        self.sources = [torch.randn(B, T, d, **dev).requires_grad_() for _ in range(layout.max_caller_sources)]
         self.calls = []  # (n_sources, params)
         for layer in range(num_layers):
-            block = layer // per_block
-            for _site_index in range(2):
+            for _site in SITE_NAMES:
                 params = [
                     (0.5 * torch.randn(d, **dev)).requires_grad_(),
                     torch.randn(d, **dev).requires_grad_(),
                     (1 + 0.1 * torch.randn(d, **dev)).requires_grad_(),
                     (0.1 * torch.randn(1, **dev)).requires_grad_(),
                 ]
-                self.calls.append((1 + block, params))
+                self.calls.append((layout.caller_sources(layer), params))
         self.grad_out = torch.randn(B, T, d, **dev)
         unit = self.grad_out.numel() * self.grad_out.element_size()
         self.bytes_fwd = sum((n + 1) * unit for n, _ in self.calls)  # sources read, output written
-        self.per_block = 2 * per_block  # sites
+        self.per_block = layout.sites_per_block
         # sources read once a layer, or once a block; every output written
         self.bytes_grouped = {
             grouping: sum((n + len(sites)) * unit for n, sites in self.groups(grouping))
@@ -146,7 +146,7 @@ class Microbatch:
 
     def groups(self, grouping: str) -> list[tuple[int, list[list[torch.Tensor]]]]:
         """(n_sources, each site's params) per call over the same sources: a layer's two sites, or a block's."""
-        size = 2 if grouping == "layer" else self.per_block
+        size = len(SITE_NAMES) if grouping == "layer" else self.per_block
         return [
             (self.calls[at][0], [p for _, p in self.calls[at : at + size]]) for at in range(0, len(self.calls), size)
         ]

@@ -27,6 +27,7 @@ from pathlib import Path
 from benchmarks.routing_bytes import PASSES, pass_bytes
 from kernels.triton.launch import DEFAULT_TABLES, MAX_SOURCES, LaunchTables
 from mhar_titan.model.args import FLAVORS, MHAR
+from mhar_titan.model.sources import SITE_NAMES, SourceLayout
 
 TARGET = 0.985  # issue 53's MHAR/control
 REPO = Path(__file__).resolve().parents[1]
@@ -35,11 +36,15 @@ REPO = Path(__file__).resolve().parents[1]
 def block_calls(layers: int, num_blocks: int) -> list[tuple[int, int]]:
     """The model's routing calls in forward order, each (stored sources it reads, sites it routes): block b routes
     its 2P sites over the embedding and the b earlier blocks' deltas (MHARTransformer.route_block)."""
-    if num_blocks < 1 or layers < num_blocks or layers % num_blocks:
-        raise ValueError(f"{layers} layers do not split into {num_blocks} blocks of equal size")
-    if num_blocks > MAX_SOURCES:
-        raise ValueError(f"{num_blocks} blocks read up to {num_blocks} stored sources; the kernels take {MAX_SOURCES}")
-    return [(1 + b, 2 * (layers // num_blocks)) for b in range(num_blocks)]
+    try:
+        layout = SourceLayout(num_blocks, layers)
+    except ValueError:
+        raise ValueError(f"{layers} layers do not split into {num_blocks} blocks of equal size") from None
+    if not layout.fits(MAX_SOURCES):
+        raise ValueError(
+            f"{num_blocks} blocks read up to {layout.max_caller_sources} stored sources; the kernels take {MAX_SOURCES}"
+        )
+    return [(layout.caller_sources(block[0]), layout.sites_per_block) for block in layout.blocks()]
 
 
 def least_tables(sites: int, tables: LaunchTables = DEFAULT_TABLES) -> LaunchTables:
@@ -53,10 +58,11 @@ def least_tables(sites: int, tables: LaunchTables = DEFAULT_TABLES) -> LaunchTab
 
 def body_bytes(layers: int, num_blocks: int, unit: int) -> int:
     """The bodies' extra bytes a microbatch (see the module's docstring); `unit` is one [tokens, dim] tensor."""
-    routed = 2 * layers * 3 * unit  # two sites a layer: read for the norm, for its backward; gradient written
-    per_block = layers // num_blocks
-    sourced = layers - per_block  # layers whose block delta becomes a source
-    deltas = sourced * 2 * unit + (num_blocks - 1) * (per_block - 1) * unit  # written, gradient read; running sum
+    layout = SourceLayout(num_blocks, layers)
+    routed = len(SITE_NAMES) * layers * 3 * unit  # each site's: read for the norm, for its backward; gradient written
+    per_block = layout.layers_per_block
+    sourced = layout.deltas * per_block  # layers whose block delta becomes a source
+    deltas = sourced * 2 * unit + layout.deltas * (per_block - 1) * unit  # written, gradient read; running sum
     return routed + deltas
 
 

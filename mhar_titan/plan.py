@@ -56,6 +56,7 @@ from torchtitan.config import JobConfig
 from mhar_titan.config import parse_config
 from mhar_titan.model.args import FLAVORS, HF_FLAVOR, MHARModelArgs
 from mhar_titan.model.model import MHARTransformer
+from mhar_titan.model.sources import SITE_NAMES, SourceLayout
 
 GIB = 2**30
 MODES = ("none", "selective", "full")  # fastest first (make bench-step: docs/performance.md)
@@ -197,7 +198,8 @@ def estimate(g: Geometry, mode: str) -> dict[str, Any]:
         "head": n * (stream * d + 2 * d + 2 * g.vocab) + 2 * g.output_params,
     }
     if g.mhar:
-        deltas = (g.num_blocks - 1) * n * d * 2  # the completed blocks' deltas, the sources (bf16)
+        layout = SourceLayout(g.num_blocks, g.layers)
+        deltas = layout.deltas * n * d * 2  # the completed blocks' deltas, the sources (bf16)
         if not g.fsdp:  # under autocast the embedding source is a bf16 copy of the fp32 embedding
             deltas += n * d * 2
         if mode == "none":  # measured: the compiled body keeps a block delta per layer, and one stream tensor;
@@ -207,10 +209,9 @@ def estimate(g: Geometry, mode: str) -> dict[str, Any]:
         else:  # the checkpoint keeps each site's routed term: 2 per layer
             kept["routing"] = deltas + g.layers * 2 * n * d * routed
         # the fused backward reads each site's routing logits, fp32 [sources, tokens, heads], kept
-        # from its forward; block b's sites read b + 2 sources (the null's included)
-        per_block = g.layers // g.num_blocks
-        sources = sum(b + 2 for b in range(g.num_blocks))
-        kept["routing"] += 2 * per_block * sources * n * g.routing_heads * 4
+        # from its forward; a site reads its layer's site_sources (the null's included)
+        sources = len(SITE_NAMES) * sum(layout.site_sources(layer) for layer in range(g.layers))
+        kept["routing"] += sources * n * g.routing_heads * 4
     gathered = 2 * 2 * g.layer_params if g.fsdp else 0  # current and prefetched block, bf16
     start = {"state": state, "fixed": fixed, **kept, "logit grads": 2 * n * g.vocab, "gathered": gathered}
     end = {

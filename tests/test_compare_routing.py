@@ -14,6 +14,7 @@ from mhar_titan.compare import routing
 from mhar_titan.compare.pair import compare
 from mhar_titan.components.routing_stats import name_routing_stats
 from mhar_titan.components.tensorboard_scalars import event_files, load_scalars
+from mhar_titan.model.sources import SITE_NAMES
 
 LAYERS, NUM_BLOCKS = 4, 4  # one layer per block: layer l reads null, embedding, D_0 .. D_{l-1}
 ROUTING_STEPS = range(10, 70, 10)
@@ -70,14 +71,14 @@ def test_routing_section_heatmaps_and_tensorboard_images(tmp_path):
 
     log = routing.read_routing(load_scalars(tmp_path / "mhar"), tmp_path / "mhar")
     for step in ROUTING_STEPS:  # the heatmap's numbers are the logged per-source means, NaN where not read
-        for s, site in enumerate(routing.SITES):
+        for s, site in enumerate(SITE_NAMES):
             expected = stats[step][:, s, 2:].numpy()
             np.testing.assert_allclose(routing.weights_matrix(log, site, step), expected, rtol=1e-6)
             assert np.isnan(routing.weights_matrix(log, site, step)[0, 2:]).all()
     assert routing.read_routing(load_scalars(tmp_path / "control"), tmp_path / "control") is None
 
     last = stats[60]
-    for s, site in enumerate(routing.SITES):
+    for s, site in enumerate(SITE_NAMES):
         row = r["routing"]["last"][site]
         assert row["gate"] == pytest.approx(float(last[:, s, 0].abs().mean()), rel=1e-6)
         assert row["entropy"] == pytest.approx(float(last[:, s, 1].mean()), rel=1e-6)

@@ -14,7 +14,9 @@ from mhar_titan.hf.ledger import read_json
 from mhar_titan.hf.load import load_hf_model
 from mhar_titan.hf.modeling.configuration_mhar_llama import MHAR_LAYER_TYPE as MODELING_LAYER_TYPE
 from mhar_titan.hf.modeling.configuration_mhar_llama import MHARLlamaConfig
+from mhar_titan.hf.modeling.modeling_mhar_llama import MHARLlamaForCausalLM
 from mhar_titan.model.args import model_args_from_hf_config
+from mhar_titan.model.sources import SITE_NAMES, SourceLayout
 
 MHAR_CFG = {"enable": True, "num_heads": 4, "num_blocks": 2, "backend": "torch"}
 
@@ -162,3 +164,21 @@ def test_modeling_files_stand_alone():
     assert MHAR_LAYER_TYPE == MODELING_LAYER_TYPE
     with pytest.raises(ValueError, match="mhar.num_blocks = 3"):
         MHARLlamaConfig(mhar={"num_heads": 4, "num_blocks": 3}, **hf_config().to_dict())
+
+
+@pytest.mark.parametrize("num_blocks", [1, 2, 4, 8])
+def test_each_layer_reads_the_layouts_sources(num_blocks):
+    """The standalone modeling file keeps its own arithmetic: held here to the project's source layout (sites per
+    layer, and per site the null and the caller sources it reads), over 8 layers."""
+    llama = hf_config(num_hidden_layers=8).to_dict()
+    config = MHARLlamaConfig(mhar={"num_heads": 4, "num_blocks": num_blocks}, **llama)
+    model = MHARLlamaForCausalLM(config).eval()
+    layout = SourceLayout(num_blocks, config.num_hidden_layers)
+    read = {}  # (layer, site): the sources the site is given; it stacks its own null before them
+    for i, layer in enumerate(model.model.layers):
+        assert tuple(layer.mhar) == SITE_NAMES
+        for site, module in layer.mhar.items():
+            module.register_forward_pre_hook(lambda m, a, key=(i, site): read.__setitem__(key, len(a[1])))
+    with torch.no_grad():
+        model(tokens(8))
+    assert read == {(i, site): layout.caller_sources(i) for i in range(layout.n_layers) for site in SITE_NAMES}

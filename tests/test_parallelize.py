@@ -53,8 +53,8 @@ def test_routing_runs_once_per_step_under_every_ac_mode_with_the_same_numbers(ti
         monkeypatch.setattr(rt, name, lambda *a, forward=forward, **k: (launches.append(1), forward(*a, **k)))
     wrapped = run(model, tokens)
     # a block's sites in passes of the table's `sites`, once: never recomputed
-    per_pass = rt.DEFAULT_TABLES.fwd_sites[1]["sites"]
-    assert len(launches) == base.model_args.mhar.num_blocks * -(-2 * base.model_args.layers_per_block // per_pass)
+    per_pass, per_block = rt.DEFAULT_TABLES.fwd_sites[1]["sites"], base.model_args.layout.layers_per_block
+    assert len(launches) == base.model_args.mhar.num_blocks * -(-2 * per_block // per_pass)
     for a, b in zip(plain, wrapped, strict=True):
         assert torch.equal(a, b)
 

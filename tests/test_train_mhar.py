@@ -7,7 +7,7 @@ import pytest
 from conftest import torchrun
 
 from mhar_titan.components.tensorboard_scalars import load_scalars, read_scalars, routing_mean_tag, routing_site_tag
-from mhar_titan.model.model import SITE_NAMES, STAT_NAMES
+from mhar_titan.model.sources import SITE_NAMES, STAT_NAMES
 
 
 def test_mhar_tiny_trains_moves_its_gates_and_logs_routing_stats(tmp_path):

@@ -33,7 +33,7 @@ from kernels.triton.backward import (
 )
 from kernels.triton.forward import route_fwd_kernel, route_fwd_sites_kernel, source_rstd_kernel
 
-MAX_SOURCES = 8  # the kernels' source pointers: embedding + 7 block deltas (num_blocks <= 8)
+MAX_SOURCES = 8  # the kernels' source pointer arguments: the most caller sources a call takes
 
 # Launch shapes, chosen with `python -m benchmarks.bench_routing --tune`, which times the
 # alternatives (the runs and their figures: kernels/NOTES.md, docs/performance.md). Row kernels:

@@ -24,13 +24,21 @@ from matplotlib.figure import Figure
 from matplotlib.image import imsave
 from matplotlib.ticker import MaxNLocator
 
-from mhar_titan.components.tensorboard_scalars import OLD_ROUTING_SITE_TAG, ROUTING_SITE_TAG
+from mhar_titan.components.tensorboard_scalars import (
+    DELTAS_STAT,
+    OLD_ROUTING_SITE_TAG,
+    ROUTING_MEAN_STATS,
+    ROUTING_SITE_TAG,
+    weight_source,
+    weight_stat,
+)
+from mhar_titan.model.sources import BASE_SOURCES, EMBED, NULL, SITE_NAMES, delta_index
 
 Series = dict[int, float]
-SITES = ("attn", "ffn")
 WEIGHTS_PNG, GATE_ENTROPY_PNG = "routing_weights.png", "routing_gate_entropy.png"
 WEIGHTS_IMAGE, GATE_ENTROPY_IMAGE = "routing/weights", "routing/gate_entropy"
-SUMMARY_STATS = ("gate", "entropy", "w_null", "w_embed", "w_deltas")
+W_NULL, W_EMBED = weight_stat(NULL), weight_stat(EMBED)
+LABELS = {W_NULL: "null", W_EMBED: "embedding", DELTAS_STAT: "all deltas"}  # the heatmap's columns but D_k
 DPI = 110  # as report.py's plots
 ANNOTATE_CELLS = 64  # write each weight into its cell up to this many cells a panel (small models)
 
@@ -54,15 +62,15 @@ def read_routing(scalars: dict[str, Series], run: str | Path) -> RoutingLog | No
     older = False
     for tag, series in scalars.items():
         match = ROUTING_SITE_TAG.match(tag) or OLD_ROUTING_SITE_TAG.match(tag)
-        if match is None or match["site"] not in SITES or not series:
+        if match is None or match["site"] not in SITE_NAMES or not series:
             continue
         older = older or match.re is OLD_ROUTING_SITE_TAG
         by_layer = values.setdefault((match["site"], match["stat"]), {})
         by_layer[int(match["layer"])] = {**by_layer.get(int(match["layer"]), {}), **series}
     if not values:
         return None
-    deltas = sorted({stat for _, stat in values if stat.startswith("w_d") and stat[3:].isdigit()})
-    sources = ["w_null", "w_embed", *(deltas if deltas or not older else ["w_deltas"])]
+    deltas = sorted({stat for _, stat in values if delta_of(stat) is not None}, key=delta_of)
+    sources = [*map(weight_stat, BASE_SOURCES), *(deltas if deltas or not older else [DELTAS_STAT])]
     layers = 1 + max(layer for by_layer in values.values() for layer in by_layer)
     steps = sorted({s for by_layer in values.values() for series in by_layer.values() for s in series})
     return RoutingLog(str(run), values, layers, steps, sources, older)
@@ -83,10 +91,15 @@ def weights_matrix(log: RoutingLog, site: str, step: int) -> np.ndarray:
     return np.array([[value(log, site, src, layer, step) for src in log.sources] for layer in range(log.layers)])
 
 
+def delta_of(stat: str) -> int | None:
+    """k for the statistic of D_k's weight ('w_d03': 3); None for any other."""
+    source = weight_source(stat)
+    return None if source is None else delta_index(source)
+
+
 def source_label(stat: str) -> str:
-    if stat.startswith("w_d") and stat[3:].isdigit():
-        return f"D{int(stat[3:])}"
-    return {"w_null": "null", "w_embed": "embedding", "w_deltas": "all deltas"}[stat]
+    k = delta_of(stat)
+    return LABELS[stat] if k is None else f"D{k}"
 
 
 def weights_figure(log: RoutingLog, steps: list[int], vmax: float | None = None) -> Figure:
@@ -95,11 +108,11 @@ def weights_figure(log: RoutingLog, steps: list[int], vmax: float | None = None)
     grey cells: sources the layer's block does not read."""
     n_src = len(log.sources)
     width, height = 1.2 + 0.4 * n_src, 1.0 + 0.2 * max(log.layers, 4)
-    rows, cols = (1, len(SITES)) if len(steps) == 1 else (len(SITES), len(steps))
+    rows, cols = (1, len(SITE_NAMES)) if len(steps) == 1 else (len(SITE_NAMES), len(steps))
     fig = Figure(figsize=(width * cols + 1.2, height * rows + 0.6), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False).flatten()
-    mats = {(site, step): weights_matrix(log, site, step) for site in SITES for step in steps}
+    mats = {(site, step): weights_matrix(log, site, step) for site in SITE_NAMES for step in steps}
     vmax = vmax or _largest(mats.values())
     cmap = colormaps["viridis"].with_extremes(bad="0.85")
     layer_ticks = range(0, log.layers, 1 if log.layers <= 16 else 4)
@@ -133,10 +146,10 @@ def gate_entropy_figure(log: RoutingLog) -> Figure:
     """|gate| and routing entropy of every layer over training, a panel per sublayer, colour by depth."""
     fig = Figure(figsize=(11, 7), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, len(SITES), sharex=True, squeeze=False)
+    axes = fig.subplots(2, len(SITE_NAMES), sharex=True, squeeze=False)
     cmap, norm = colormaps["viridis"], Normalize(0, max(log.layers - 1, 1))
     few = len(log.steps) < 3
-    for c, site in enumerate(SITES):
+    for c, site in enumerate(SITE_NAMES):
         for r, (stat, label) in enumerate((("gate", "|gate|"), ("entropy", "routing entropy (nats)"))):
             ax = axes[r][c]
             for layer, series in sorted(log.values.get((site, stat), {}).items()):
@@ -169,9 +182,9 @@ def summary(log: RoutingLog) -> dict[str, Any]:
     the means over layers of |gate|, entropy and the weights on null, embedding and all deltas."""
     last = log.steps[-1]
     at_last: dict[str, dict[str, float | None]] = {}
-    for site in SITES:
+    for site in SITE_NAMES:
         row: dict[str, float | None] = {}
-        for stat in SUMMARY_STATS:
+        for stat in ROUTING_MEAN_STATS:
             vals = [value(log, site, stat, layer, last) for layer in range(log.layers)]
             vals = [abs(v) if stat == "gate" else v for v in vals if math.isfinite(v)]
             row[stat] = statistics.fmean(vals) if vals else None
@@ -195,7 +208,7 @@ def write(out: Path, log: RoutingLog | None) -> tuple[list[Path], list[tuple[str
     if log is None:
         return [], []
     steps = chosen_steps(log.steps)
-    vmax = _largest(weights_matrix(log, site, step) for site in SITES for step in steps)
+    vmax = _largest(weights_matrix(log, site, step) for site in SITE_NAMES for step in steps)
     lines = figure_array(gate_entropy_figure(log))
     imsave(out / WEIGHTS_PNG, figure_array(weights_figure(log, steps, vmax)))
     imsave(out / GATE_ENTROPY_PNG, lines)
@@ -229,7 +242,7 @@ def report_lines(r: dict[str, Any] | None, mhar: str, delta_run: str) -> list[st
             f"`{mhar}` logged (at least part of) its routing statistics in the older layout "
             "(`mhar/<stat>/layerNN_<site>`): the weights on the null source, the embedding and all deltas "
             "summed, not each delta's weight"
-            + (": the heatmap's last column is all deltas together." if "w_deltas" in r["sources"] else "."),
+            + (": the heatmap's last column is all deltas together." if DELTAS_STAT in r["sources"] else "."),
             "",
         ]
     lines += [
@@ -240,8 +253,8 @@ def report_lines(r: dict[str, Any] | None, mhar: str, delta_run: str) -> list[st
     ]
     for site, row in r["last"].items():
         lines.append(
-            f"| {site} | {_f(row['gate'], '.3e')} | {_f(row['entropy'], '.3f')} | {_f(row['w_null'], '.3f')} | "
-            f"{_f(row['w_embed'], '.3f')} | {_f(row['w_deltas'], '.3f')} |"
+            f"| {site} | {_f(row['gate'], '.3e')} | {_f(row['entropy'], '.3f')} | {_f(row[W_NULL], '.3f')} | "
+            f"{_f(row[W_EMBED], '.3f')} | {_f(row[DELTAS_STAT], '.3f')} |"
         )
     lines += [
         "",

@@ -17,21 +17,31 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from mhar_titan.model.sources import BASE_SOURCES, STAT_NAMES
+
 LOSS_TAG = "train/loss"
 PRIMARY_TAGS = {"raw": "val/ce", "ema": "val/ce_ema"}  # the first validation set's, whatever its name
 
 # Routing statistics (docs/recipe.md, "The MHAR arm"). TensorBoard groups charts by a tag's first component, so
 # each (sublayer, statistic) is a group of its own with one chart per layer, `mhar_<site>_<stat>/layerNN`
 # (32 charts at 8B, in depth order), and `mhar/<stat>/mean` (the mean over all sites) is the overview group.
-ROUTING_MEAN_STATS = ("gate", "entropy", "w_null", "w_embed", "w_deltas")
+# A site's statistics: STAT_NAMES, `w_<source>` for each source it reads (SourceLayout.names), and DELTAS_STAT.
+DELTAS_STAT = "w_deltas"  # the weights of all the deltas a site reads, summed
 ROUTING_SITE_TAG = re.compile(r"^mhar_(?P<site>[a-z]+)_(?P<stat>\w+)/layer(?P<layer>\d+)$")
 OLD_ROUTING_SITE_TAG = re.compile(r"^mhar/(?P<stat>\w+)/layer(?P<layer>\d+)_(?P<site>[a-z]+)$")  # before issue 23
 
 
-def routing_sources(num_blocks: int) -> tuple[str, ...]:
-    """Names of the sources a site can read, in the routing op's order: the null source, the embedding and
-    the deltas D_0 .. D_{num_blocks-2} (the last block's delta is never a source)."""
-    return ("null", "embed", *(f"d{k:02d}" for k in range(num_blocks - 1)))
+def weight_stat(source: str) -> str:
+    """The statistic of a source's mean routing weight: `w_null`, `w_embed`, `w_d03`."""
+    return f"w_{source}"
+
+
+def weight_source(stat: str) -> str | None:
+    """The source whose mean weight `stat` is ('w_d03': 'd03'); None for any other statistic."""
+    return stat[2:] if stat.startswith("w_") and stat != DELTAS_STAT else None
+
+
+ROUTING_MEAN_STATS = (*STAT_NAMES, *(weight_stat(source) for source in BASE_SOURCES), DELTAS_STAT)
 
 
 def routing_site_tag(site: str, stat: str, layer: int) -> str:

@@ -15,6 +15,7 @@ from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerMode
 
 from kernels.routing import BACKENDS, MAX_TRITON_SOURCES
 from mhar_titan.model.hf_config import llama_args_from_hf_config
+from mhar_titan.model.sources import SourceLayout
 
 # `[model] flavor = "hf"`: the architecture of the config.json in `model.hf_assets_path`.
 HF_FLAVOR = "hf"
@@ -45,13 +46,13 @@ class MHAR:
             return
         if self.num_heads <= 0 or dim % self.num_heads:
             raise ValueError(f"[mhar] num_heads = {self.num_heads} must be positive and divide the model width {dim}")
-        if self.num_blocks <= 0 or n_layers % self.num_blocks:
-            raise ValueError(
-                f"[mhar] num_blocks = {self.num_blocks} must be positive and divide the layer count {n_layers}"
-            )
+        try:
+            layout = SourceLayout(self.num_blocks, n_layers)
+        except ValueError as e:
+            raise ValueError(f"[mhar] {e}") from None
         if self.backend not in BACKENDS:
             raise ValueError(f"[mhar] backend = {self.backend!r} must be one of {', '.join(BACKENDS)}")
-        if self.backend != "torch" and self.num_blocks > MAX_TRITON_SOURCES:
+        if self.backend != "torch" and not layout.fits(MAX_TRITON_SOURCES):
             raise ValueError(
                 f"[mhar] num_blocks = {self.num_blocks}: the triton backend routes over at most "
                 f'{MAX_TRITON_SOURCES} blocks; use backend = "torch" for more'
@@ -85,8 +86,9 @@ class MHARModelArgs(TransformerModelArgs):
         self.mhar.validate(self.dim, self.n_layers)
 
     @property
-    def layers_per_block(self) -> int:
-        return self.n_layers // self.mhar.num_blocks
+    def layout(self) -> SourceLayout:
+        """The routing sources' layout of these arguments (MHAR on: `validate` has checked it)."""
+        return SourceLayout(self.mhar.num_blocks, self.n_layers)
 
 
 def model_args_from_hf_config(

@@ -20,17 +20,11 @@ from torchtitan.protocols.model import AttentionMasksType
 from kernels.routing import mhar_route_sites, mhar_route_with_logits, resolve_backend, routing_source
 from mhar_titan.model.args import MHARModelArgs
 
-# Columns of the per-site statistics each block returns (see RoutingSite.stats): these, then the mean
-# routing weight of each source a site of the model can read (null, embedding, D_0 .. D_{num_blocks-2}),
-# NaN where the site's block has no such source.
-STAT_NAMES = ("gate", "entropy")
-SITE_NAMES = ("attn", "ffn")
-
 
 class RoutingSite(nn.Module):
     """One sublayer input's router: query q, norm weight g, null source z, gate. `max_sources`: the
-    most sources any site of the model reads (num_blocks + 1), the width of its statistics' weight
-    columns (default: the sources this site reads)."""
+    most sources any site of the model reads (SourceLayout.max_sources), the width of its statistics'
+    weight columns (default: the sources this site reads)."""
 
     def __init__(self, dim: int, num_heads: int, eps: float, backend: str, max_sources: int | None = None):
         super().__init__()
@@ -139,7 +133,7 @@ class MHARBlock(TransformerBlock):
         self.attn_routing: RoutingSite | None = None
         self.ffn_routing: RoutingSite | None = None
         if cfg.enable:
-            site = (model_args.dim, cfg.num_heads, model_args.norm_eps, cfg.backend, cfg.num_blocks + 1)
+            site = (model_args.dim, cfg.num_heads, model_args.norm_eps, cfg.backend, model_args.layout.max_sources)
             self.attn_routing = RoutingSite(*site)
             self.ffn_routing = RoutingSite(*site)
             self.set_body(BlockBody(self))
@@ -167,7 +161,7 @@ class MHARBlock(TransformerBlock):
     ):
         """Plain block without `routed`; else, given its two sites' (gate * R, routing logits) (the
         model routes a block's sites at the block's start), (output, the running block delta
-        (`BlockBody`), site statistics [2, 2 + num_blocks + 1] or None)."""
+        (`BlockBody`), site statistics [2, SourceLayout.stats_width] or None)."""
         if routed is None:
             return super().forward(x, freqs_cis, attention_masks, positions)
         assert self.attn_routing is not None and self.ffn_routing is not None
@@ -194,9 +188,9 @@ class MHARTransformer(Transformer):
     """Llama-3.1 whose blocks route over depth when `model_args.mhar.enable`.
 
     With `collect_routing_stats` set (the trainer sets it on the steps that log them),
-    `routing_stats` holds, after each MHAR forward, the [n_layers, 2, 2 + num_blocks + 1] site
-    statistics of that forward (columns: STAT_NAMES, then each source's mean weight, NaN where a
-    layer has no such source; rows: attn, ffn); otherwise None.
+    `routing_stats` holds, after each MHAR forward, the [n_layers, 2, stats_width] site statistics of
+    that forward (as sources.py lays them out: columns STAT_NAMES, then each source's mean weight, NaN
+    where a layer has no such source; rows SITE_NAMES); otherwise None.
     """
 
     def __init__(self, model_args: MHARModelArgs):
@@ -232,22 +226,22 @@ class MHARTransformer(Transformer):
             # bf16. Routed in the autocast dtype, as under FSDP's bf16 parameters: half the reads.
             embedding = h.to(torch.get_autocast_dtype(h.device.type))
         sources = [routing_source(embedding, backend)]
-        per_block = self.model_args.layers_per_block
+        layout = self.model_args.layout
         want_stats = self.collect_routing_stats
         layers = list(self.layers.values())
         stats = []
-        for start in range(0, self.n_layers, per_block):
-            block = layers[start : start + per_block]
-            last = start + per_block >= self.n_layers  # the last block's delta is never a source
+        for b, layer_ids in enumerate(layout.blocks()):
+            block = [layers[i] for i in layer_ids]
+            feeds = layout.delta_is_source(b)  # the last block's delta is never a source
             block_sum = None
             for layer, routed in zip(block, self.route_block(block, sources), strict=True):
                 h, delta, site_stats = layer(
                     h, self.freqs_cis, attention_masks, positions, routed=routed, want_stats=want_stats,
                     block_sum=block_sum,
                 )  # fmt: skip
-                block_sum = None if last else delta
+                block_sum = delta if feeds else None
                 stats.append(site_stats)
-            if not last:
+            if feeds:
                 # A new list: the block that read the old one keeps it for its backward.
                 sources = [*sources, routing_source(block_sum, backend)]
         self.routing_stats = torch.stack(stats) if want_stats else None
@@ -262,7 +256,7 @@ class MHARTransformer(Transformer):
         source once for several sites (kernels.routing.mhar_route_sites); the torch reference site by
         site, through each layer's `ReferenceRoute`."""
         cfg = self.model_args.mhar
-        owners = [layer for layer in block for _ in range(2)]
+        owners = [layer for layer in block for _ in layer.sites()]
         sites = [site() for layer in block for site in layer.sites()]  # FSDP2 gathers the block's unit here
         if resolve_backend(cfg.backend, sources[0].device) == "torch":
             outs = [layer.reference(sources, *site) for layer, site in zip(owners, sites, strict=True)]

@@ -30,6 +30,7 @@ from torchtitan.tools.logging import logger
 
 from kernels.routing import resolve_backend
 from mhar_titan.model.model import MHARBlock
+from mhar_titan.model.sources import SourceLayout
 
 # Backends whose routing op keeps only references to its inputs for the backward (nothing for a
 # checkpoint to drop); the torch reference saves its intermediates and is checkpointed per site.
@@ -87,7 +88,7 @@ def wrap_blocks(model: nn.Module, job_config: JobConfig, compile_model: bool) ->
     backend = resolve_backend(model.model_args.mhar.backend, torch.device(titan_utils.device_type))
     if backend not in _SAVES_NOTHING:
         if compile_model:
-            allow_routing_graphs(model.model_args.mhar.num_blocks)
+            allow_routing_graphs(model.model_args.layout)
         wrap_reference_sites(blocks, checkpointed=ac.mode != "none", compiled=compile_model, job_config=job_config)
     logger.info(
         f"MHAR: activation checkpointing ({ac.mode}) and compile ({compile_model}) wrap each block's body; "
@@ -140,12 +141,12 @@ def shard_routing_units(model: nn.Module, parallel_dims: ParallelDims, job_confi
     if training.enable_cpu_offload:
         fsdp_config["offload_policy"] = CPUOffloadPolicy()
     layers = list(model.layers.values())
-    per_block = model.model_args.layers_per_block
-    for start in range(0, len(layers), per_block):
-        fully_shard([site for layer in layers[start : start + per_block] for site in layer.sites()], **fsdp_config)
+    for layer_ids in model.model_args.layout.blocks():
+        fully_shard([site for i in layer_ids for site in layers[i].sites()], **fsdp_config)
 
 
-def allow_routing_graphs(num_blocks: int) -> None:
+def allow_routing_graphs(layout: SourceLayout) -> None:
     """Let each compiled site keep every graph it needs: Dynamo specialises on the length of the
-    `sources` list, 1..num_blocks, with and without grad (validation), so none falls back to eager."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * (num_blocks + 1))
+    `sources` list, 1..max_caller_sources, with and without grad (validation), so none falls back to
+    eager; 2 * max_sources (the null counted) leaves one to spare each way."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * layout.max_sources)

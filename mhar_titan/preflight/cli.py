@@ -35,6 +35,7 @@ from mhar_titan import plan
 from mhar_titan.compare.pair import compare
 from mhar_titan.hf.export import init_hf
 from mhar_titan.hf.files import DTYPES
+from mhar_titan.model.sources import SourceLayout
 from mhar_titan.preflight import checks, verdicts
 from mhar_titan.preflight.evaluate import eval_stage
 from mhar_titan.preflight.exports import TOKENS, export_stage, fp32_matmuls, run_checks
@@ -181,8 +182,9 @@ class Preflight:
         tokens = cfg.training.seq_len * cfg.training.local_batch_size if self.cuda else 64
         t = cfg.training
         attention = f"{t.local_batch_size},{geo.heads},{t.seq_len},{geo.dim // geo.heads}"
-        sites = 2 * geo.layers // cfg.mhar.num_blocks  # a block's, at the config's depth: what the run routes at once
-        geometry = dict(dim=geo.dim, num_heads=cfg.mhar.num_heads, max_sources=cfg.mhar.num_blocks + 1, sites=sites,
+        layout = SourceLayout(cfg.mhar.num_blocks, geo.layers)  # at the config's depth
+        geometry = dict(dim=geo.dim, num_heads=cfg.mhar.num_heads, max_sources=layout.max_sources,
+                        sites=layout.sites_per_block,  # a block's: what the run routes at once
                         tokens=tokens, gemm_hidden=geo.hidden, block_elements=geo.layer_params,
                         attention=attention)  # fmt: skip
         (self.root / "probe").mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ The training step routes a block's sites together over sources marked with `rout
 (`MHARTransformer.route_block`: `mhar_route_sites`, backend "triton", gate * R without x, bf16 under
 FSDP's mixed precision; `--sites`, 2 per layer of a block). This module runs exactly that call, forward
 and backward, for every source count a site can read, from 2 (the null and the embedding) to
-`--max-sources` (counted as the project counts them, `RoutingSite.max_sources`: the null included,
+`--max-sources` (counted as the project counts them, `SourceLayout.max_sources`: the null included,
 [mhar] num_blocks + 1; the op takes the others, 1 to MAX_TRITON_SOURCES), and compares the forward
 outputs, the routing logits and every gradient (each source's, and the null, query, norm weight and
 gate of every site) with the torch backend
@@ -41,6 +41,7 @@ import torch
 
 from kernels.routing import MAX_TRITON_SOURCES, mhar_route_sites, routing_source
 from kernels.triton.launch import DEFAULT_TABLES
+from mhar_titan.model.sources import BASE_SOURCES, with_null, without_null
 
 PERTURB_ENV = "MHAR_PREFLIGHT_PERTURB_KERNEL"
 NORM_EPS = 1e-5  # the model's RMS-norm eps (mhar_titan/model/args.py, every flavor)
@@ -202,7 +203,7 @@ def check_count(
     """One source count (the null included): per checked tensor its max abs error, bound and their
     ratio; bitwise repeatability."""
     start = time.perf_counter()
-    count = sources - 1  # the op's `sources`: the null is its own argument
+    count = without_null(sources)  # the op's `sources`: the null is its own argument
     inputs = make_inputs(dim, num_heads, count, tokens, device, sites)
     ref = route("torch", inputs, num_heads, torch.float32)
     first = route("triton", inputs, num_heads, torch.bfloat16)
@@ -250,7 +251,7 @@ def check_kernels(
         "dim": dim,
         "num_heads": num_heads,
         "max_sources": max_sources,
-        "max_triton_sources": MAX_TRITON_SOURCES + 1,  # the null included, as max_sources
+        "max_triton_sources": with_null(MAX_TRITON_SOURCES),  # the null included, as max_sources
         "batch": BATCH,
         "tokens": tokens,
         "dtype": "bfloat16",
@@ -258,7 +259,7 @@ def check_kernels(
         "perturb": perturb,
         "counts": [],
     }
-    for sources in range(2, max_sources + 1):
+    for sources in range(len(BASE_SOURCES), max_sources + 1):
         try:
             result["counts"].append(check_count(dim, num_heads, sources, tokens, device, perturb, sites))
         except Exception as e:  # recorded per count: the others still run

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from data.atomic import write_text
+from mhar_titan.model.sources import BASE_SOURCES
 from mhar_titan.preflight.determinism import attention_repeatable
 from mhar_titan.preflight.hardware import measure
 from mhar_titan.preflight.kernel_check import check_kernels
@@ -61,8 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-sources",
         type=int,
         required=True,
-        help="the most sources a site reads, the null included ([mhar] num_blocks + 1, RoutingSite.max_sources: "
-        "9 for the marin8b configs); every count from 2 (the null and the embedding) is checked",
+        help="the most sources a site reads, the null included (SourceLayout.max_sources, [mhar] num_blocks + 1: "
+        f"9 for the marin8b configs); every count from {len(BASE_SOURCES)} (the null and the embedding) is checked",
     )
     parser.add_argument(
         "--sites", type=int, default=2, help="routing sites a checked call routes together (a block's: 2 per layer)"
@@ -87,8 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("dim", "num_heads", "tokens", "sites"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    if args.max_sources < 2:
-        parser.error(f"--max-sources {args.max_sources}: at least 2 (the null and the embedding)")
+    if args.max_sources < len(BASE_SOURCES):
+        parser.error(f"--max-sources {args.max_sources}: at least {len(BASE_SOURCES)} (the null and the embedding)")
     if args.dim % args.num_heads:
         parser.error(f"--num-heads {args.num_heads} must divide --dim {args.dim}")
     if args.attention is not None:
