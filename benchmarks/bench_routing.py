@@ -1,6 +1,6 @@
 """Routing cost of one 8B microbatch on a GPU: the fused kernels' two paths vs torch.compile vs eager, in one run.
 
-The 8B geometry of docs/design.md section 3.7: B=2, T=4096, d=4096, H=8, 32 layers x 2
+The 8B geometry of docs/design.md section 2.7: B=2, T=4096, d=4096, H=8, 32 layers x 2
 sites in 8 blocks of 4 layers, so the 64 calls route over 1..8 sources (plus
 the null source), 288 source reads in all. Every call is made as the model's RoutingSite
 makes it: site(sources) -> gate * R (the block adds its stream input inside its compiled

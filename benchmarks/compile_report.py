@@ -5,7 +5,7 @@ Compiles each kernel at the 8B launch shapes with Triton's own compiler and runs
 flight, which is what bounds these memory-bound kernels. `--sass` also counts the row kernels'
 machine instructions by opcode (Triton's `cuobjdump` on the cubin, at the tables' launch shapes):
 in the training step the GPU runs at its power cap and these kernels slow with its clock, so
-the instructions a row costs are what a change has to cut (kernels/NOTES.md).
+the instructions a row costs are what a change has to cut (docs/history/kernels-notebook.md).
 
     python -m benchmarks.compile_report [--sources 8] [--dtype bf16] [--sass]
 """
@@ -28,7 +28,7 @@ from kernels.triton.forward import route_fwd_kernel, route_fwd_sites_kernel
 from kernels.triton.launch import DEFAULT_TABLES, MAX_SOURCES, fwd_launch, mix_launch, sites_launch, stats_launch
 from mhar_titan.model.sources import SourceLayout
 
-GEOMETRY_8B = SourceLayout(num_blocks=8, n_layers=32)  # docs/design.md section 3.7
+GEOMETRY_8B = SourceLayout(num_blocks=8, n_layers=32)  # docs/design.md section 2.7
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 PTXAS = os.path.join(BIN, "ptxas")
 

@@ -321,7 +321,7 @@ class Burst:
 def under_load(args, bw: float, dout: torch.Tensor, params: list[tuple]) -> None:
     """A layer's two-site forward and stats passes (default tables), and a copy of as many bytes,
     after an L2 flush and after matmuls (`Burst`): inside the step the row kernels ran slower than
-    tuned alone (kernels/NOTES.md)."""
+    tuned alone (docs/history/kernels-notebook.md)."""
     sites = [Site(*p) for p in params]
     burst = Burst(dout)
     unit = dout.numel() * dout.element_size()

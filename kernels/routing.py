@@ -1,4 +1,4 @@
-"""The delta-MHAR routing op and its explicit backend dispatch (docs/design.md sections 2 and 3).
+"""The delta-MHAR routing op and its explicit backend dispatch (docs/design.md sections 1 and 2).
 
     out = x + gate * R(sources),   R_[h] = sum_n softmax_n(<q_h, k_{n,[h]}>) * s_{n,[h]}
     k_n = s_n / rms(s_n) * g       (rms over the full width, fp32, eps = the model's norm eps)

@@ -9,7 +9,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 HISTORY = REPO / "docs" / "history"  # dated records: the commands of their day, links checked, sizes not
-PAGES = sorted([REPO / "README.md", REPO / "kernels" / "NOTES.md", *(REPO / "docs").rglob("*.md")])
+PAGES = sorted([REPO / "README.md", REPO / "kernels" / "README.md", *(REPO / "docs").rglob("*.md")])
 CURRENT = [p for p in PAGES if HISTORY not in p.parents]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 CODE = re.compile(r"```.*?```|`[^`\n]+`", re.S)

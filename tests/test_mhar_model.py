@@ -1,4 +1,4 @@
-"""The grafted model: identity at init, the source lists (docs/design.md section 2.2), settings, groups,
+"""The grafted model: identity at init, the source lists (docs/design.md section 1.2), settings, groups,
 statistics."""
 
 import copy

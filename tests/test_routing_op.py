@@ -1,4 +1,4 @@
-"""The routing op against an independent float64 evaluation of docs/design.md section 2."""
+"""The routing op against an independent float64 evaluation of docs/design.md section 1."""
 
 import pytest
 import torch

@@ -6,7 +6,7 @@
   (`route_bwd` runs `host.custom_op_backward`). A graph traced through `route_eager` takes this
   path (see `_route_eager_in_graph`).
 - `route_eager`: a plain autograd.Function (`_Route`) over the same host wrappers, without the
-  custom-op dispatch, whose Python cost per call exceeds the kernels' own (kernels/NOTES.md). It
+  custom-op dispatch, whose Python cost per call exceeds the kernels' own (docs/history/kernels-notebook.md). It
   keeps the inputs and logits on its context (not save_for_backward), so an activation checkpoint
   around a call has nothing to unpack and never re-runs the forward, and it sums the gradients of
   sources marked with `shared.share_source_grad` in place. Its backward (`_Route.backward`) runs

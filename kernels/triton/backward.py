@@ -13,7 +13,7 @@ routing logits its forward wrote:
   that turns the coefficients into every source's gradient (for up to 4 calls over the same
   sources in one pass, kernels/triton/shared.py);
 - norm: a shared source's norm term, applied once its gradient sum is complete.
-The math is docs/design.md section 3.3.
+The math is docs/design.md section 2.3.
 """
 
 import triton
@@ -181,7 +181,7 @@ def route_bwd_stats_kernel(
         # loads run two sources ahead of the reductions, as in the forward
         if PREFETCH:
             do, do2, s_a, s_b = n_do.to(tl.float32), n_do2.to(tl.float32), n_a, n_b
-        else:  # inline, not lead_tiles, as in the forward: fewer registers (kernels/NOTES.md, "prefetched")
+        else:  # inline, not lead_tiles, as in the forward: fewer registers (docs/history/kernels-notebook.md)
             do = load_raw(DOUT + base + cols, row_mask, EVEN).to(tl.float32)
             do2 = do
             if SITES > 1:

@@ -4,7 +4,7 @@ Forward: per token row, all heads at once, two passes over the sources: the firs
 source to its per-head logit (the full-width RMS norm fused, or a marked source's 1 / rms read,
 computed once for all its calls), the second re-reads the tiles the first just brought into L1
 and sums them with their softmax weights; only per-head scalars live between the passes, which
-keeps registers low (kernels/NOTES.md, "two passes over a row's sources"). fp32 statistics, the
+keeps registers low (docs/history/kernels-notebook.md, "two passes over a row's sources"). fp32 statistics, the
 null source read as one vector.
 The output is x + gate * R, or gate * R alone without x (the model adds x inside its compiled
 block, where the add is free); beside it the routing logits [N, M, H] (fp32, the null's first),
@@ -136,7 +136,7 @@ def route_fwd_kernel(
         lgs, lgs2 = (), ()
         if PREFETCH:
             s_a, s_b = n_a, n_b
-        else:  # inline, not lead_sources: fewer registers (kernels/NOTES.md, "prefetched")
+        else:  # inline, not lead_sources: fewer registers (docs/history/kernels-notebook.md)
             s_a = load_raw(SRCS[0] + base + cols, row_mask, EVEN)
             s_b = s_a
             if NUM_SRC > 1:

@@ -36,7 +36,7 @@ from kernels.triton.forward import route_fwd_kernel, route_fwd_sites_kernel, sou
 MAX_SOURCES = 8  # the kernels' source pointer arguments: the most caller sources a call takes
 
 # Launch shapes, chosen with `python -m benchmarks.bench_routing --tune`, which times the
-# alternatives (the runs and their figures: kernels/NOTES.md, docs/performance.md). Row kernels:
+# alternatives (the runs and their figures: docs/history/kernels-notebook.md, docs/performance.md). Row kernels:
 # rows each program walks, warps per 4096 columns and a register cap per thread (None: ptxas
 # decides), by the number of caller sources, since registers grow with it. Mix kernel: tile rows,
 # tile columns (within one head) and warps.
@@ -64,7 +64,7 @@ STATS = {
 }
 # Two sites over the same sources in one pass (a layer's two sites: host.forward_pair and
 # host.backward_stats_pair), from `--tune pair`. A STATS_PAIR entry None takes two single-site
-# stats passes instead; no entry is None now (kernels/NOTES.md, "Launch tables").
+# stats passes instead; no entry is None now (kernels/README.md, "The launch tables").
 _FWD_PAIR_SHAPES = {  # sources: (rows, register cap, prefetch)
     1: (4, None, True), 2: (4, None, True), 3: (4, None, True), 4: (2, 128, False),
     5: (1, None, False), 6: (1, 128, False), 7: (1, 128, False), 8: (2, 128, False),
@@ -74,14 +74,14 @@ FWD_PAIR = {
     for n, (rows, cap, prefetch) in _FWD_PAIR_SHAPES.items()
 }
 # STATS_PAIR from `--tune pair_load`, which runs the kernels after matmuls, as the step does. grouped: a block's
-# pairs in one launch, off until a GPU has checked it against the reference (kernels/NOTES.md, the block dataflow)
+# pairs in one launch, off until a GPU has checked it against the reference (kernels/README.md, the dataflow)
 STATS_PAIR = {
     n: {"rows": 64, "warps_per_4096": 8, "maxnreg": None, "given_rstd": True, "prefetch": n <= 3, "grouped": False}
     for n in FWD
 }
 # A block's sites over the same sources (host.forward_sites): at most `sites` a pass (2: the two-site
 # kernel, FWD_PAIR's shapes; more: the block kernel, at these rows, warps and register cap). From
-# `--tune block`: the two-site passes were the faster at every source count (kernels/NOTES.md).
+# `--tune block`: the two-site passes were the faster at every source count (docs/history/kernels-notebook.md).
 # grouped (with `sites` 2): every pair of a block in one launch, sharing the sources through L2; not yet timed.
 FWD_SITES = {n: {"sites": 2, "grouped": False, "rows": 4, "warps_per_4096": 8, "maxnreg": None} for n in FWD}
 MIX = {"block_m": 32, "block_kc": 64, "warps": 4, "calls": 4}  # calls: most calls one pass serves
@@ -125,7 +125,7 @@ class Launcher:
     """Launches a jitted kernel through its compiled binary once Triton has built it.
 
     Triton's own launch binds and specialises every argument in Python on each call
-    (with a tuple of source pointers it costs more than the kernels take: kernels/NOTES.md).
+    (with a tuple of source pointers it costs more than the kernels take: docs/history/kernels-notebook.md).
     Here the binary is looked up by what Triton specialises on (dtypes, 16-byte
     alignment of each pointer, integers equal to 1 or divisible by 16), and the first
     call of each key goes through Triton, which compiles and launches it.

@@ -3,7 +3,7 @@
 The row kernels (forward, stats) hold a row as a [heads, chunks, chunk] tile (`row_tile_offsets`),
 so that Triton gives each warp whole heads: the per-head sums are warp shuffles, and the only
 cross-warp sum per source is the full-width norm ([heads, columns] tiles spread a 512-wide head
-over two warps, with many more barriers: kernels/NOTES.md, "Layout decides the barriers").
+over two warps, with many more barriers: docs/history/kernels-notebook.md, "Layout decides the barriers").
 Registers bound them too (each row's tiles live in them): the forward keeps no parameter tile
 resident (query, norm weight and null are re-read from L1). `python -m benchmarks.compile_report`
 prints registers and spills per kernel for sm_90 without a GPU.

@@ -1,4 +1,4 @@
-"""Llama-3.1 with delta-MHAR grafted on (docs/design.md section 2).
+"""Llama-3.1 with delta-MHAR grafted on (docs/design.md section 1).
 
 With `[mhar] enable = false` every module and every op is torchtitan's plain
 Llama-3 `Transformer`: that is the control arm. With it on, each layer's two

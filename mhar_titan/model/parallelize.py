@@ -7,7 +7,7 @@ torchtitan does. So the routing runs once per step in every AC mode, outside the
 compiled region: its outputs (2 x [B, T, d] per layer) are the body's inputs, kept by the
 checkpoint, as the control keeps each block's input; and the fused kernels run through their
 eager path, which sums each source's gradient in place across all the calls that read it,
-reads each source's norm once, and serves a block's calls with one mix pass (kernels/NOTES.md).
+reads each source's norm once, and serves a block's calls with one mix pass (kernels/README.md).
 With the `torch` backend (the reference) each site is checkpointed (when AC is on) and compiled
 (when the model is) on its own instead. Each block delta is summed inside the bodies.
 """

@@ -1,5 +1,5 @@
 """The routing sources' layout: which sources each site reads, in what order, and how many (docs/design.md
-section 2.2). The one place that knows it: the model, the `[mhar]` checks, the routing statistics and their
+section 1.2). The one place that knows it: the model, the `[mhar]` checks, the routing statistics and their
 TensorBoard names, the comparison, the memory plan, parallelize, the preflight and the benchmarks take it from
 here. Standard library only, so the comparison imports it without torch or the kernels; the HF modeling file,
 which must stand alone, is held to it by tests/test_hf_modeling.py.

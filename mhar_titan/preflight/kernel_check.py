@@ -9,7 +9,7 @@ and backward, for every source count a site can read, from 2 (the null and the e
 outputs, the routing logits and every gradient (each source's, and the null, query, norm weight and
 gate of every site) with the torch backend
 computed in fp32 from the same bf16 inputs. It also runs the fused call twice and requires the same
-bytes, as the kernels promise (no atomics, fixed reduction order: docs/design.md section 3.6).
+bytes, as the kernels promise (no atomics, fixed reduction order: docs/design.md section 2.6).
 
 Bounds (one per checked tensor; `bound`): the fused op computes in fp32 and rounds its result to the
 tensor's dtype once, so its error against the fp32 reference is at most
@@ -128,7 +128,7 @@ def site_scales(
     sources: list[torch.Tensor], site: list[torch.Tensor], grad_out: torch.Tensor, num_heads: int
 ) -> dict[str, float]:
     """Float64 conditioning scales of one site: tests/test_routing_triton.py's `condition_scales`
-    (the backward of docs/design.md section 3.3 with every product and sum in absolute value), plus
+    (the backward of docs/design.md section 2.3 with every product and sum in absolute value), plus
     the logits' (the dot products' absolute terms) and the output's (the mix in absolute value,
     with each weight's relative error from its head's logits: up to twice their scale)."""
     s_list = [t.double() for t in sources]
