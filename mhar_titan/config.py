@@ -111,11 +111,10 @@ class Validation:
 
 @dataclass
 class Spikes:
-    """`[spikes]`: loss and gradient-norm spikes scored as they happen (mhar_titan/components/spikes.py)."""
+    """`[spikes]`: loss and gradient-norm spikes scored as they happen (mhar_titan/components/run_spikes.py)."""
 
     enable: bool = True
-    """Score every step's loss and gradient norm (the loss is then summed over the ranks at every step, not only
-    on log steps: one all-reduce of a few numbers)."""
+    """Score every step's loss and gradient norm (and any value a hook names in its `spike_scored`)."""
     window: int = 100
     """Each step is scored against the median and MAD of this many steps before it."""
     min_history: int = 20
