@@ -1,5 +1,5 @@
 """A checkpoint's copy to object storage and back, as a run keeping its checkpoints there makes them
-(components/remote_checkpoints.py): one step folder of `--gib` in `--files` rank files, with its checksum
+(components/checkpoint/remote.py): one step folder of `--gib` in `--files` rank files, with its checksum
 manifests and `.metadata`, put on moto's S3 server on 127.0.0.1 (benchmarks/s3_store.py), then copied down into
 an empty run folder; fails unless the step is complete there and the copy holds the same bytes.
 
@@ -18,8 +18,8 @@ import tempfile
 import time
 
 from benchmarks import s3_store
-from mhar_titan.components.checksums import chunk_digests, write_manifest
-from mhar_titan.components.remote_checkpoints import RemoteCheckpoints
+from mhar_titan.components.checkpoint.checksums import chunk_digests, write_manifest
+from mhar_titan.components.checkpoint.remote import RemoteCheckpoints
 
 STEP = 1000
 

@@ -40,8 +40,8 @@ import sys
 import threading
 from pathlib import Path
 
-from mhar_titan.components.checkpoint import complete_steps
-from mhar_titan.components.checksums import missing_manifests, read_manifests, verify_share
+from mhar_titan.components.checkpoint.checksums import missing_manifests, read_manifests, verify_share
+from mhar_titan.components.checkpoint.layout import complete_steps
 from mhar_titan.components.lifetime import descendants
 from mhar_titan.components.tensorboard_scalars import read_scalars
 

@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from transformers import AutoModelForCausalLM
 
-from mhar_titan.components.checksums import write_manifest
+from mhar_titan.components.checkpoint.checksums import write_manifest
 from mhar_titan.hf.load import load_hf_model
 from mhar_titan.model.args import FLAVORS, MHAR
 from mhar_titan.model.model import build_initialised

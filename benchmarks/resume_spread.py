@@ -12,7 +12,7 @@ One arm (MHAR, `--arm control` for the other) is set up exactly as the preflight
 configs' base or a random one of their architecture at the depth the GPUs hold, 40 steps, the checkpoint at 20,
 the kill after the validation at 30): the first job, killed; then `--reruns` clean relaunches from its checkpoint,
 each killed at the same point; then, for each fault, two relaunches with the test seam MHAR_TEST_RESUME_FAULT set
-(components/resume_faults.py), as the preflight would run a pipeline with that fault. Where the clean relaunches
+(components/checkpoint/testing.py), as the preflight would run a pipeline with that fault. Where the clean relaunches
 repeat bit for bit (CPU ranks), `--fault-relaunches 1` runs one a fault and judges it against itself: the
 verdict a second, identical relaunch would give. The verdict
 (verdicts.resume_verdict) is then taken for every ordered pair of clean relaunches as (resumed, rerun), and for

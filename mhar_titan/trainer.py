@@ -20,7 +20,8 @@ from torchtitan.train import Trainer
 from mhar_titan import titan_compat
 from mhar_titan.components import fingerprint, resume_faults, run_checks
 from mhar_titan.components.bad_steps import BadSteps
-from mhar_titan.components.checkpoint import CPTCheckpointManager, complete_steps
+from mhar_titan.components.checkpoint import layout, space
+from mhar_titan.components.checkpoint.manager import CPTCheckpointManager
 from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.preemption import PreemptionWatch
 from mhar_titan.components.routing_stats import average_routing_stats, stats_due
@@ -79,7 +80,7 @@ class CPTTrainer(RunFolder, Trainer):
         self.model_parts[0].register_forward_hook(self._after_forward)
         self.preemption = PreemptionWatch(job_config.job.dump_folder)
         self.spikes = RunSpikes(job_config.spikes, job_config.job.dump_folder, torch.distributed.get_rank() == 0,
-                                logger.warning, lambda: complete_steps(self.checkpointer.folder))  # fmt: skip
+                                logger.warning, lambda: layout.complete_steps(self.checkpointer.folder))  # fmt: skip
         self.checkpointer.kept_steps = self.spikes.kept
         self.stop_reason: str | None = None
         self.exhausted = False  # with [data] on_source_exhausted = "stop", a source was read to its end
@@ -93,7 +94,7 @@ class CPTTrainer(RunFolder, Trainer):
         batch = job_config.training.local_batch_size * self.dp_degree * self.gradient_accumulation_steps  # global
         data = self.dataloader
         self.fingerprint = fingerprint.fingerprint(job_config, self.model_args, data.shards, batch, data.contents())
-        self.checkpointer.expected_bytes = run_checks.checkpoint_bytes(self.model_parts[0], ema.enable)
+        self.checkpointer.expected_bytes = space.checkpoint_bytes(self.model_parts[0], ema.enable)
 
     # -- the loop -----------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Checkpoints kept in object storage, `[checkpoint] folder = "s3://..."`, against a real S3 server (moto's, through
 s3fs): through train_cpt.py on 2 CPU ranks, the copies on the store, the relaunch on an empty run folder that
-resumes from them bit for bit, a failed upload, and the prefixes a run refuses (components/remote_checkpoints.py).
+resumes from them bit for bit, a failed upload, and the prefixes a run refuses (components/checkpoint/remote.py).
 """
 
 import json
@@ -13,7 +13,7 @@ from conftest import torchrun
 from s3_server import s3_server
 
 from benchmarks.s3_proxy import S3Proxy
-from mhar_titan.components.remote_checkpoints import CLAIM, FAIL_ENV, RemoteCheckpoints
+from mhar_titan.components.checkpoint.remote import CLAIM, FAIL_ENV, RemoteCheckpoints
 from mhar_titan.components.tensorboard_scalars import read_scalars
 from mhar_titan.hf.run import load_run_checkpoint
 

@@ -39,7 +39,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from data.atomic import write_text
 from mhar_titan.compare.stats import paired_ci
-from mhar_titan.components.checkpoint import complete_steps
+from mhar_titan.components.checkpoint.layout import complete_steps
 from mhar_titan.eval.harness import Tasks, load_tasks, one_line, run_harness
 from mhar_titan.eval.steps import ARMS, read_arm
 from mhar_titan.eval.suites import requested

@@ -2,7 +2,7 @@
 one arm has and the other has not reached yet (waited for), which were deleted by retention (keep_latest_k)
 before they could be evaluated (skipped, and said so), and when both runs are finished.
 
-Only complete checkpoints count (DCP's `.metadata` written: components/checkpoint.complete_steps), and only
+Only complete checkpoints count (DCP's `.metadata` written: components/checkpoint/layout.complete_steps), and only
 once settled: every file covered by the checksums the trainer writes right after the save (the export
 verifies them), or, for a checkpoint without checksums, `.metadata` older than `settle` seconds. What a run
 will save comes from its records (`config.resolved.toml`: `[training] steps`, `[checkpoint] interval`);
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mhar_titan.components.checkpoint import complete_steps
-from mhar_titan.components.checksums import checkpoint_files, file_digest, read_manifests
+from mhar_titan.components.checkpoint.checksums import file_digest, read_manifests
+from mhar_titan.components.checkpoint.layout import checkpoint_files, complete_steps
 from mhar_titan.hf.ledger import read_json
 
 ARMS = ("control", "mhar")

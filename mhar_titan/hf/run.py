@@ -15,9 +15,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
-from mhar_titan.components.checkpoint import complete_steps
-from mhar_titan.components.checksums import verify_share
-from mhar_titan.components.dcp_io import ParallelFileSystemReader
+from mhar_titan.components.checkpoint.checksums import verify_share
+from mhar_titan.components.checkpoint.dcp_io import ParallelFileSystemReader
+from mhar_titan.components.checkpoint.layout import complete_steps
 from mhar_titan.components.ema import plain_name
 from mhar_titan.hf.export import config_base, folder_config, refuse_open_gates, write_folder
 from mhar_titan.hf.files import check_new_output, plan_shards, shard_name, write_index, write_safetensors

@@ -24,7 +24,7 @@ from typing import Any
 
 from data.loader import check_stages, data_config
 from data.mixture import parse_mixture
-from mhar_titan.components.checkpoint import complete_steps
+from mhar_titan.components.checkpoint.layout import complete_steps
 from mhar_titan.components.tensorboard_scalars import load_scalars
 
 REPO = Path(__file__).resolve().parents[2]
