@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from mhar_titan.components.resume_faults import ENV, FAULTS
+from mhar_titan.components.checkpoint.testing import FAULTS, RESUME_FAULT_ENV
 from mhar_titan.preflight import cli
 from mhar_titan.preflight.pair import JobFailed, run_killed
 from mhar_titan.preflight.resume import JUDGED, JUDGED_PREFIXES, compared_tags, gap, resume_check
@@ -129,13 +129,13 @@ def measure(ours: argparse.Namespace, rest: list[str]) -> None:
 
     def relaunch(name: str, fault: str | None = None) -> None:
         t = time.monotonic()
-        os.environ.pop(ENV, None)
+        os.environ.pop(RESUME_FAULT_ENV, None)
         if fault:
-            os.environ[ENV] = fault
+            os.environ[RESUME_FAULT_ENV] = fault
         try:
             runs[name] = run_killed(config, ours.arm, s, job, rerun=name != "killed", name=name)["scalars"]
         finally:
-            os.environ.pop(ENV, None)
+            os.environ.pop(RESUME_FAULT_ENV, None)
         seconds[name] = time.monotonic() - t
         print(f"resume_spread: {name} {seconds[name]:.0f} s", flush=True)
 

@@ -18,9 +18,9 @@ from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enabl
 from torchtitan.train import Trainer
 
 from mhar_titan import titan_compat
-from mhar_titan.components import fingerprint, resume_faults, run_checks
+from mhar_titan.components import fingerprint, run_checks
 from mhar_titan.components.bad_steps import BadSteps
-from mhar_titan.components.checkpoint import layout, space
+from mhar_titan.components.checkpoint import layout, space, testing
 from mhar_titan.components.checkpoint.manager import CPTCheckpointManager
 from mhar_titan.components.ema import WeightEMA
 from mhar_titan.components.preemption import PreemptionWatch
@@ -110,7 +110,7 @@ class CPTTrainer(RunFolder, Trainer):
             maybe_enable_memory_snapshot(cfg.profiling, **where) as memory,
         ):
             data_iterator = self.batch_generator(self.dataloader)
-            resume_faults.inject(self, data_iterator)  # only where a test sets MHAR_TEST_RESUME_FAULT
+            testing.inject_resume_fault(self, data_iterator)  # only where a test sets MHAR_TEST_RESUME_FAULT
             first = True
             while self.should_continue_training():
                 self.step += 1

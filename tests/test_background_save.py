@@ -199,12 +199,12 @@ def test_the_test_hold_preempts_its_job_and_holds_the_writer_until_the_job_waits
     tmp_path, monkeypatch, own_signal_handlers
 ):
     checkpoint_id = str(tmp_path / "checkpoint" / "step-4")
-    monkeypatch.delenv(testing.ENV, raising=False)
+    monkeypatch.delenv(testing.HOLD_SAVE_ENV, raising=False)
     testing.before_write(checkpoint_id, os.getpid())  # unset: nothing held
-    monkeypatch.setenv(testing.ENV, "four")
+    monkeypatch.setenv(testing.HOLD_SAVE_ENV, "four")
     with pytest.raises(ValueError, match="MHAR_TEST_HOLD_SAVE='four': a step number"):
-        testing.requested()
-    monkeypatch.setenv(testing.ENV, "4")
+        testing.held_step()
+    monkeypatch.setenv(testing.HOLD_SAVE_ENV, "4")
     watch = PreemptionWatch(str(tmp_path))
     testing.after_launch(checkpoint_id.replace("step-4", "step-2"))
     assert watch.local_request(check_file=False) is None

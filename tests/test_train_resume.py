@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from mhar_titan.components.checkpoint.checksums import verify_share
 from mhar_titan.components.checkpoint.layout import MANIFEST_DIR, complete_steps
-from mhar_titan.components.checkpoint.testing import ENV as HOLD_SAVE
+from mhar_titan.components.checkpoint.testing import HOLD_SAVE_ENV as HOLD_SAVE
 from mhar_titan.components.tensorboard_scalars import LOSS_TAG, read_scalars
 from mhar_titan.config import parse_config
 from mhar_titan.hf.run import load_run_checkpoint

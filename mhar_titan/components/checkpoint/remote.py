@@ -39,6 +39,7 @@ from torchtitan.tools.logging import logger
 
 from data.atomic import clean_stale, sibling, write_text
 from data.store import StoreError, filesystem
+from mhar_titan.components.checkpoint import testing
 from mhar_titan.components.checkpoint.layout import COMPLETE, STEP_GLOB, complete_steps, step_folder, step_of
 
 CLAIM = "_RUN.json"
@@ -48,16 +49,10 @@ RUN_FILES = (FINGERPRINT, "model_args.json", "config.resolved.toml", "environmen
              "spikes.jsonl", "load_ledger.json")  # fmt: skip
 WAIT_S = 3600.0  # rank 0 waiting for the other ranks' shares of one step
 _POLL_S = 0.1
-FAIL_ENV = "MHAR_TEST_FAIL_UPLOAD"  # test only: `STEP:RANK` makes that rank's upload of that step fail
 
 
 def is_url(folder: str) -> bool:
     return "://" in folder
-
-
-def _test_failure(step: int, rank: int) -> None:
-    if os.environ.get(FAIL_ENV, "") == f"{step}:{rank}":
-        raise OSError(f"the store refused the upload ({FAIL_ENV}, a test)")
 
 
 def _files(folder: str) -> list[str]:
@@ -218,7 +213,7 @@ class RemoteCheckpoints:
         name = step_folder(step)
         folder = os.path.join(self.local, name)
         try:
-            _test_failure(step, rank)
+            testing.fail_upload(step, rank)  # a test's failure; nothing otherwise
             self._put(folder, name, [f for f in _files(folder) if f != COMPLETE][rank::world])
             if rank != 0:
                 store.add(f"{key}/done", 1)

@@ -1,11 +1,16 @@
-"""Test-only: a preemption that arrives while a background checkpoint is still being written, made deterministic.
+"""Test-only seams of the checkpoints, each set by an environment variable that tests (and benchmarks) set; no config
+key or command-line flag reaches them, and with the variables unset nothing here does anything.
 
-With MHAR_TEST_HOLD_SAVE=<step>, the job that launches the background save of step <step> sends itself SIGTERM
-(as a scheduler would, components/preemption.py) right after launching it, and that save's writer, on every
-rank, holds before writing any file until its job announces that it waits for the save (the stop's checkpoint,
-CPTCheckpointManager._async_wait). So the stop is agreed at the next step, the save is still in flight when the
-job reaches its stop, and the test sees what the job does then. Tests set the variable; no config key or flag
-reaches this, and with it unset nothing here does anything.
+- MHAR_TEST_HOLD_SAVE=<step>: a preemption that arrives while a background checkpoint is still being written, made
+  deterministic. The job that launches the background save of step <step> sends itself SIGTERM (as a scheduler
+  would, components/preemption.py) right after launching it, and that save's writer, on every rank, holds before
+  writing any file until its job announces that it waits for the save (the stop's checkpoint,
+  CPTCheckpointManager._async_wait). So the stop is agreed at the next step, the save is still in flight when the
+  job reaches its stop, and the test sees what the job does then.
+- MHAR_TEST_RESUME_FAULT=<fault>: faults in a resume, so that the checks which must catch a broken resume (the
+  preflight's stage d) can be shown to catch it: the data one batch off, the optimizer moments lost, the LR schedule
+  restarted, the EMA restarted from the loaded weights. Tests and benchmarks/resume_spread.py set it.
+- MHAR_TEST_FAIL_UPLOAD=<step>:<rank>: that rank's upload of that step to the store fails (remote.py).
 """
 
 from __future__ import annotations
@@ -13,27 +18,42 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from torchtitan.tools.logging import logger
 
-ENV = "MHAR_TEST_HOLD_SAVE"
-TIMEOUT_S = 300.0  # a hold nobody releases fails the save instead of hanging the job
+from mhar_titan.components.checkpoint.layout import step_folder
+
+HOLD_SAVE_ENV = "MHAR_TEST_HOLD_SAVE"
+HOLD_TIMEOUT_S = 300.0  # a hold nobody releases fails the save instead of hanging the job
 _POLL_S = 0.01
+RESUME_FAULT_ENV = "MHAR_TEST_RESUME_FAULT"
+FAULTS = {
+    "data": "the data position one batch ahead",
+    "moments": "the AdamW moments zeroed (not restored)",
+    "lr": "the LR schedule restarted from step 0",
+    "ema": "the EMA restarted from the loaded weights",
+}
+FAIL_UPLOAD_ENV = "MHAR_TEST_FAIL_UPLOAD"  # `STEP:RANK` makes that rank's upload of that step fail
 
 
-def requested() -> int | None:
+# -- MHAR_TEST_HOLD_SAVE ---------------------------------------------------------------------------------------------
+
+
+def held_step() -> int | None:
     """The step whose background save is held, or None."""
-    value = os.environ.get(ENV, "").strip()
+    value = os.environ.get(HOLD_SAVE_ENV, "").strip()
     if not value:
         return None
     if not value.isdigit():
-        raise ValueError(f"{ENV}={value!r}: a step number")
+        raise ValueError(f"{HOLD_SAVE_ENV}={value!r}: a step number")
     return int(value)
 
 
 def _held(checkpoint_id: str) -> bool:
-    step = requested()
-    return step is not None and os.path.basename(os.path.normpath(checkpoint_id)) == f"step-{step}"
+    step = held_step()
+    return step is not None and os.path.basename(os.path.normpath(checkpoint_id)) == step_folder(step)
 
 
 def _flag(checkpoint_id: str, owner: int) -> str:
@@ -44,7 +64,7 @@ def _flag(checkpoint_id: str, owner: int) -> str:
 def after_launch(checkpoint_id: str) -> None:
     """In the training process, once the background save of `checkpoint_id` is launched: the preemption."""
     if _held(checkpoint_id):
-        logger.warning(f"TEST HOLD ({ENV}): SIGTERM while {checkpoint_id} is written in the background")
+        logger.warning(f"TEST HOLD ({HOLD_SAVE_ENV}): SIGTERM while {checkpoint_id} is written in the background")
         signal.raise_signal(signal.SIGTERM)
 
 
@@ -69,9 +89,54 @@ def before_write(checkpoint_id: str, owner: int) -> None:
     until the training process `owner` announces that it waits."""
     if not _held(checkpoint_id):
         return
-    flag, deadline = _flag(checkpoint_id, owner), time.monotonic() + TIMEOUT_S
+    flag, deadline = _flag(checkpoint_id, owner), time.monotonic() + HOLD_TIMEOUT_S
     while not os.path.exists(flag):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"TEST HOLD ({ENV}): {flag} did not appear within {TIMEOUT_S:.0f} s")
+            raise RuntimeError(f"TEST HOLD ({HOLD_SAVE_ENV}): {flag} did not appear within {HOLD_TIMEOUT_S:.0f} s")
         time.sleep(_POLL_S)
-    logger.warning(f"TEST HOLD ({ENV}): {checkpoint_id} released, writing")
+    logger.warning(f"TEST HOLD ({HOLD_SAVE_ENV}): {checkpoint_id} released, writing")
+
+
+# -- MHAR_TEST_RESUME_FAULT ------------------------------------------------------------------------------------------
+
+
+def resume_fault() -> str | None:
+    """The fault the environment asks for, or None; an unknown name is an error naming the known ones."""
+    fault = os.environ.get(RESUME_FAULT_ENV, "").strip()
+    if fault and fault not in FAULTS:
+        raise ValueError(f"{RESUME_FAULT_ENV}={fault!r}: one of {', '.join(FAULTS)}")
+    return fault or None
+
+
+def inject_resume_fault(trainer: Any, data_iterator: Iterator) -> None:
+    """After a resume's load, before its first step: break what the named fault names, and say so in the log."""
+    fault = resume_fault()
+    if fault is None or trainer.step == 0:
+        return
+    if fault == "data":
+        next(data_iterator)
+    elif fault == "moments":
+        for opt in trainer.optimizers.optimizers:
+            for state in opt.state.values():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in state:
+                        state[key].zero_()
+    elif fault == "lr":
+        for scheduler in trainer.lr_schedulers.schedulers:
+            scheduler.last_epoch = 0
+            for i, group in enumerate(scheduler.optimizer.param_groups):
+                group["lr"] = scheduler.base_lrs[i] * scheduler.lr_lambdas[i](0)
+            scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    elif trainer.ema is not None:  # "ema": as if the checkpoint had not restored it
+        trainer.ema.ready = False
+        trainer.ema.start()
+    logger.warning(f"TEST FAULT ({RESUME_FAULT_ENV}): {FAULTS[fault]} at the resume from step {trainer.step}")
+
+
+# -- MHAR_TEST_FAIL_UPLOAD -------------------------------------------------------------------------------------------
+
+
+def fail_upload(step: int, rank: int) -> None:
+    """In an upload to the store (remote.py), before anything is put: the store's refusal, where a test asks."""
+    if os.environ.get(FAIL_UPLOAD_ENV, "") == f"{step}:{rank}":
+        raise OSError(f"the store refused the upload ({FAIL_UPLOAD_ENV}, a test)")
