@@ -31,8 +31,8 @@ import time
 import torch
 import torch.distributed.checkpoint as dcp
 
-from mhar_titan.components.checksums import without_torch_crc32
-from mhar_titan.components.dcp_io import ParallelFileSystemReader, PinnedStaging, StreamingFileSystemWriter
+from mhar_titan.components.checkpoint.checksums import without_torch_crc32
+from mhar_titan.components.checkpoint.dcp_io import ParallelFileSystemReader, PinnedStaging, StreamingFileSystemWriter
 
 
 def _sync(device: str) -> None:

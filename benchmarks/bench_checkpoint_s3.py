@@ -1,5 +1,5 @@
 """A checkpoint's copy to object storage and back, as a run keeping its checkpoints there makes them
-(components/remote_checkpoints.py): one step folder of `--gib` in `--files` rank files, with its checksum
+(components/checkpoint/remote.py): one step folder of `--gib` in `--files` rank files, with its checksum
 manifests and `.metadata`, put on moto's S3 server on 127.0.0.1 (benchmarks/s3_store.py), then copied down into
 an empty run folder; fails unless the step is complete there and the copy holds the same bytes.
 
@@ -18,23 +18,24 @@ import tempfile
 import time
 
 from benchmarks import s3_store
-from mhar_titan.components.checksums import chunk_digests, write_manifest
-from mhar_titan.components.remote_checkpoints import RemoteCheckpoints
+from mhar_titan.components.checkpoint import layout
+from mhar_titan.components.checkpoint.checksums import chunk_digests, write_manifest
+from mhar_titan.components.checkpoint.remote import RemoteCheckpoints
 
 STEP = 1000
 
 
 def step_folder(root: str, gib: float, files: int) -> str:
     """A step folder shaped as a DCP checkpoint of `files` ranks, filled with random bytes, checksummed."""
-    folder = os.path.join(root, "run", "checkpoint", f"step-{STEP}")
+    folder = layout.step_dir(os.path.join(root, "run", layout.FOLDER), STEP)
     os.makedirs(folder)
     each = int(gib * 2**30 / files)
     for rank in range(files):
-        with open(os.path.join(folder, f"__{rank}_0.distcp"), "wb") as f:
+        with open(os.path.join(folder, layout.shard_name(rank)), "wb") as f:
             for start in range(0, each, 64 * 2**20):
                 f.write(os.urandom(min(64 * 2**20, each - start)))
         write_manifest(folder, rank, ranks=files)
-    with open(os.path.join(folder, ".metadata"), "wb") as f:
+    with open(os.path.join(folder, layout.COMPLETE), "wb") as f:
         f.write(os.urandom(256 * 1024))
     return folder
 
@@ -71,13 +72,13 @@ def main(argv: list[str] | None = None) -> None:
             up = time.perf_counter() - began
             if store.complete_steps() != [STEP]:
                 raise SystemExit(f"s3://ckpt/run-{i}: step {STEP} is not complete there")
-            fresh = os.path.join(tmp, f"fresh-{i}", "checkpoint")
+            fresh = os.path.join(tmp, f"fresh-{i}", layout.FOLDER)
             os.makedirs(fresh)
             down = RemoteCheckpoints(f"s3://ckpt/run-{i}", fresh, os.path.dirname(fresh))
             began = time.perf_counter()
             down.fetch(STEP)
             copied = time.perf_counter() - began
-            if digests(os.path.join(fresh, f"step-{STEP}")) != want:
+            if digests(layout.step_dir(fresh, STEP)) != want:
                 raise SystemExit("the copy down differs from the step folder uploaded")
             print(f"| {i + 1} | {up:.1f} | {size / up / 1e9:.3g} | {copied:.1f} | {size / copied / 1e9:.3g} |")
 

@@ -40,8 +40,8 @@ import sys
 import threading
 from pathlib import Path
 
-from mhar_titan.components.checkpoint import complete_steps
-from mhar_titan.components.checksums import missing_manifests, read_manifests, verify_share
+from mhar_titan.components.checkpoint.checksums import missing_manifests, read_manifests, verify_share
+from mhar_titan.components.checkpoint.layout import COMPLETE, complete_steps, step_dir, step_folder
 from mhar_titan.components.lifetime import descendants
 from mhar_titan.components.tensorboard_scalars import read_scalars
 
@@ -132,17 +132,17 @@ def check_checkpoints(folder: Path, interval: int, last: int) -> str:
     one before the `last` step's verified byte for byte; a line saying so, or an error."""
     steps = complete_steps(str(folder))
     for step in steps:
-        step_dir = str(folder / f"step-{step}")
-        recorded = read_manifests(step_dir)
-        if missing_manifests(step_dir) or ".metadata" not in recorded or not recorded:
-            raise RuntimeError(f"{step_dir}: not sealed (manifests {sorted(recorded)})")
+        sealed = step_dir(str(folder), step)
+        recorded = read_manifests(sealed)
+        if missing_manifests(sealed) or COMPLETE not in recorded or not recorded:
+            raise RuntimeError(f"{sealed}: not sealed (manifests {sorted(recorded)})")
     newest = max((s for s in steps if s % interval == 0 and s < last), default=None)
     if newest is None:
         raise RuntimeError(f"{folder}: no complete interval checkpoint (complete: {steps})")
-    problems, unverified = verify_share(str(folder / f"step-{newest}"), 0, 1)
+    problems, unverified = verify_share(step_dir(str(folder), newest), 0, 1)
     if problems or unverified:
-        raise RuntimeError(f"step-{newest}: {problems or unverified}")
-    return f"complete and sealed: steps {steps}; step-{newest} verified"
+        raise RuntimeError(f"{step_folder(newest)}: {problems or unverified}")
+    return f"complete and sealed: steps {steps}; {step_folder(newest)} verified"
 
 
 def run_mode(mode: str, out: Path, folder: Path, steps: int, interval: int, smoke: bool, compile_: bool) -> dict:
@@ -176,7 +176,7 @@ def table(results: list[dict]) -> str:
              f"{'other GiB':>11}  waits s"]  # fmt: skip
     for r in results:
         stall = ", ".join(f"{v:+.2f}" for _, v in sorted(r["stall_s"].items()))
-        waits = ", ".join(f"{w:.1f} (step-{s})" for s, w in sorted(r["waits_s"].items())) or "-"
+        waits = ", ".join(f"{w:.1f} ({step_folder(s)})" for s, w in sorted(r["waits_s"].items())) or "-"
         lines.append(f"{r['mode']:<24}{r['step_s']:>8.2f}  {stall:<32}{r['trainer']:>12.1f}"
                      f"{r['trainer'] - base:>+8.1f}{r['other']:>11.1f}  {waits}")  # fmt: skip
     return "\n".join(lines)

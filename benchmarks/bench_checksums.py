@@ -22,7 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from mhar_titan.components.checksums import checkpoint_files, verify_share, write_manifest
+from mhar_titan.components.checkpoint.checksums import verify_share, write_manifest
+from mhar_titan.components.checkpoint.layout import checkpoint_files
 
 
 def _throughput(fn, data: bytes) -> float:

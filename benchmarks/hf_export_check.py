@@ -29,7 +29,8 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from transformers import AutoModelForCausalLM
 
-from mhar_titan.components.checksums import write_manifest
+from mhar_titan.components.checkpoint import layout
+from mhar_titan.components.checkpoint.checksums import write_manifest
 from mhar_titan.hf.load import load_hf_model
 from mhar_titan.model.args import FLAVORS, MHAR
 from mhar_titan.model.model import build_initialised
@@ -86,7 +87,7 @@ def write_run(run: str, flavor: str, num_blocks: int, device: torch.device, seed
             if "_routing." in name:
                 p.copy_((1.0 if name.endswith("norm_weight") else 0.0) + 0.3 * torch.randn_like(p))
     began = time.perf_counter()
-    step_dir = os.path.join(run, "checkpoint", "step-1")
+    step_dir = layout.step_dir(os.path.join(run, layout.FOLDER), 1)
     dcp.save(model.state_dict(), checkpoint_id=step_dir, no_dist=True)
     write_manifest(step_dir, 0)
     with open(os.path.join(run, "model_args.json"), "w") as f:

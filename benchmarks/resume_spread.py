@@ -12,7 +12,7 @@ One arm (MHAR, `--arm control` for the other) is set up exactly as the preflight
 configs' base or a random one of their architecture at the depth the GPUs hold, 40 steps, the checkpoint at 20,
 the kill after the validation at 30): the first job, killed; then `--reruns` clean relaunches from its checkpoint,
 each killed at the same point; then, for each fault, two relaunches with the test seam MHAR_TEST_RESUME_FAULT set
-(components/resume_faults.py), as the preflight would run a pipeline with that fault. Where the clean relaunches
+(components/checkpoint/testing.py), as the preflight would run a pipeline with that fault. Where the clean relaunches
 repeat bit for bit (CPU ranks), `--fault-relaunches 1` runs one a fault and judges it against itself: the
 verdict a second, identical relaunch would give. The verdict
 (verdicts.resume_verdict) is then taken for every ordered pair of clean relaunches as (resumed, rerun), and for
@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from mhar_titan.components.resume_faults import ENV, FAULTS
+from mhar_titan.components.checkpoint.testing import FAULTS, RESUME_FAULT_ENV
 from mhar_titan.preflight import cli
 from mhar_titan.preflight.pair import JobFailed, run_killed
 from mhar_titan.preflight.resume import JUDGED, JUDGED_PREFIXES, compared_tags, gap, resume_check
@@ -129,13 +129,13 @@ def measure(ours: argparse.Namespace, rest: list[str]) -> None:
 
     def relaunch(name: str, fault: str | None = None) -> None:
         t = time.monotonic()
-        os.environ.pop(ENV, None)
+        os.environ.pop(RESUME_FAULT_ENV, None)
         if fault:
-            os.environ[ENV] = fault
+            os.environ[RESUME_FAULT_ENV] = fault
         try:
             runs[name] = run_killed(config, ours.arm, s, job, rerun=name != "killed", name=name)["scalars"]
         finally:
-            os.environ.pop(ENV, None)
+            os.environ.pop(RESUME_FAULT_ENV, None)
         seconds[name] = time.monotonic() - t
         print(f"resume_spread: {name} {seconds[name]:.0f} s", flush=True)
 

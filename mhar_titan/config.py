@@ -175,7 +175,7 @@ def parse_config(argv: list[str]) -> TitanJobConfig:
 
 def check_local_folders(config: TitanJobConfig) -> None:
     """The run folder must be a file system path (os.makedirs would make a folder named `s3:`); checkpoints may be
-    kept on a store (components/remote_checkpoints.py), whose fsspec backend must be installed."""
+    kept on a store (components/checkpoint/remote.py), whose fsspec backend must be installed."""
     folders = (("[job] dump_folder", config.job.dump_folder), ("[checkpoint] folder", config.checkpoint.folder))
     for key, value in folders:
         if "://" not in value and re.match(r"[A-Za-z][A-Za-z0-9+.-]+:", value):  # `s3:/bucket`: a folder named `s3:`

@@ -62,7 +62,7 @@ GIB = 2**30
 MODES = ("none", "selective", "full")  # fastest first (make bench-step: docs/performance.md)
 CUBLAS_WORKSPACES = 2 * 32 * 2**20  # two streams' cuBLAS workspaces on Hopper
 RUNTIME_RESERVE = 1.5 * GIB  # CUDA context, NCCL buffers, allocator slack: outside torch's count
-STAGE_MIN_BYTES = 2**20  # the synchronous writer's page-locked staging threshold (components/dcp_io.py)
+STAGE_MIN_BYTES = 2**20  # the synchronous writer's page-locked staging threshold (components/checkpoint/dcp_io.py)
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")  # torchtitan's [checkpoint] async_mode
 
 
@@ -130,8 +130,8 @@ def geometry(cfg: JobConfig, gpus: int, mhar: bool, layers: int | None = None) -
 
 
 def staged_shapes_bytes(shapes: list[tuple[int, ...]], ranks: int) -> int:
-    """The synchronous save's reused page-locked buffers on one rank (components/dcp_io.PinnedStaging): one per
-    distinct shape of the rank's fp32 shards (FSDP2 splits dim 0 into ceil(rows / ranks) rows) of at least
+    """The synchronous save's reused page-locked buffers on one rank (components/checkpoint/dcp_io.PinnedStaging): one
+    per distinct shape of the rank's fp32 shards (FSDP2 splits dim 0 into ceil(rows / ranks) rows) of at least
     STAGE_MIN_BYTES; weights, AdamW's moments and the EMA share each shape's buffer, written one after another."""
     local = {(-(-shape[0] // ranks), *shape[1:]) for shape in shapes if shape}
     sizes = [4 * math.prod(shape) for shape in local]

@@ -2,7 +2,7 @@
 we read, state of its metrics processor we reset. Each names the torchtitan file it depends on; `missing()`
 lists those that are gone, and tests/test_titan_compat.py fails on any, so that a torchtitan upgrade breaks
 loudly here instead of quietly elsewhere. (The CPU shims of mhar_titan/cpu.py and the checkpoint manager's
-fork, mhar_titan/components/checkpoint.py, are checked here too; they keep their own code.)
+fork, mhar_titan/components/checkpoint/manager.py, are checked here too; they keep their own code.)
 """
 
 from __future__ import annotations

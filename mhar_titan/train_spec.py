@@ -13,8 +13,8 @@ from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 from data.loader import build_parquet_dataloader
-from mhar_titan.components import resume_faults
 from mhar_titan.components.bad_steps import BadSteps
+from mhar_titan.components.checkpoint import testing
 from mhar_titan.components.data_progress import DataProgress
 from mhar_titan.components.ema import EMA
 from mhar_titan.components.hooks import Hook
@@ -79,6 +79,6 @@ def build_hooks(job_config: JobConfig) -> list[Hook]:
         StepLog(),
         TimeShares(),
     ]
-    if resume_faults.requested():
-        hooks.append(resume_faults.ResumeFault())
+    if fault := testing.resume_fault():
+        hooks.append(testing.ResumeFault(fault))
     return hooks

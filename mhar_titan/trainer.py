@@ -21,7 +21,7 @@ from torchtitan.tools.profiling import maybe_enable_memory_snapshot, maybe_enabl
 from torchtitan.train import Trainer
 
 from mhar_titan import titan_compat
-from mhar_titan.components.checkpoint import CPTCheckpointManager
+from mhar_titan.components.checkpoint.manager import CPTCheckpointManager
 from mhar_titan.components.hooks import SKIP_STEP, Hook, Hooks, Request, SaveNow, Scalar, Step
 from mhar_titan.components.step_metrics import (
     StepClock,
@@ -52,8 +52,7 @@ class CPTTrainer(Trainer):
             self.dp_group = None if self.dp_mesh is None else self.dp_mesh.get_group()
             self.dp_degree = 1 if self.dp_mesh is None else self.dp_mesh.size()
             self.data_iterator: Iterator | None = None
-            self.hooks.each("set_up", self)
-            self.checkpointer.states.update(self.hooks.checkpointed())
+            self.hooks.set_up(self)
         except BaseException:
             if hasattr(self, "metrics_processor"):
                 discard_tensorboard_run(self.metrics_processor)  # no stray tb/<timestamp> of a refused job

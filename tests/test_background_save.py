@@ -18,14 +18,15 @@ from conftest import REPO
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, _StoragePrefix
 from torch.distributed.checkpoint.staging import DefaultStager
-from torchtitan.components.checkpoint import AsyncMode
+from torchtitan.components.checkpoint import MODEL, AsyncMode, ModelWrapper
 
-from mhar_titan.components import checkpoint, save_hold, sealed_save
-from mhar_titan.components.checkpoint import CPTCheckpointManager, DamagedCheckpoint, complete_steps, verify_checkpoint
-from mhar_titan.components.checksums import MANIFEST_DIR, missing_manifests, verify_share, write_manifest
-from mhar_titan.components.dcp_io import PinnedStaging
+from mhar_titan.components.checkpoint import sealed_save, testing
+from mhar_titan.components.checkpoint.checksums import missing_manifests, verify_share, write_manifest
+from mhar_titan.components.checkpoint.dcp_io import PinnedStaging
+from mhar_titan.components.checkpoint.layout import MANIFEST_DIR, complete_steps
+from mhar_titan.components.checkpoint.manager import CPTCheckpointManager, DamagedCheckpoint, verify_checkpoint
+from mhar_titan.components.checkpoint.sealed_save import SealedBackgroundWriter, SealedStreamingWriter
 from mhar_titan.components.preemption import PreemptionWatch
-from mhar_titan.components.sealed_save import SealedBackgroundWriter, SealedStreamingWriter
 from mhar_titan.config import parse_config
 
 
@@ -106,7 +107,7 @@ def _manager(folder, keep: int = 2) -> CPTCheckpointManager:
     manager.purge_queue, manager._told_links = queue.Queue(), set()
     manager.enable, manager.load_only, manager.async_mode = True, False, AsyncMode.ASYNC
     manager.mp = manager.purge_thread = manager.stager = None
-    manager.save_future, manager.pending, manager.expected_bytes = None, None, 0
+    manager.save_future, manager.pending, manager.states = None, None, {MODEL: ModelWrapper(torch.nn.Linear(1, 1))}
     return manager
 
 
@@ -116,7 +117,7 @@ def _purged(manager) -> list[int]:
 
 
 def test_retention_neither_counts_nor_removes_a_checkpoint_still_being_written(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "dist", SimpleNamespace(get_rank=lambda: 0))
+    monkeypatch.setattr("mhar_titan.components.checkpoint.manager.dist", SimpleNamespace(get_rank=lambda: 0))
     for step in (2, 4):
         dcp.save(_state(), storage_writer=SealedBackgroundWriter(str(tmp_path / f"step-{step}")), no_dist=True)
     written = tmp_path / "step-6"  # every file and checksum written, .metadata not yet
@@ -198,26 +199,26 @@ def test_the_test_hold_preempts_its_job_and_holds_the_writer_until_the_job_waits
     tmp_path, monkeypatch, own_signal_handlers
 ):
     checkpoint_id = str(tmp_path / "checkpoint" / "step-4")
-    monkeypatch.delenv(save_hold.ENV, raising=False)
-    save_hold.before_write(checkpoint_id, os.getpid())  # unset: nothing held
-    monkeypatch.setenv(save_hold.ENV, "four")
+    monkeypatch.delenv(testing.HOLD_SAVE_ENV, raising=False)
+    testing.before_write(checkpoint_id, os.getpid())  # unset: nothing held
+    monkeypatch.setenv(testing.HOLD_SAVE_ENV, "four")
     with pytest.raises(ValueError, match="MHAR_TEST_HOLD_SAVE='four': a step number"):
-        save_hold.requested()
-    monkeypatch.setenv(save_hold.ENV, "4")
+        testing.held_step()
+    monkeypatch.setenv(testing.HOLD_SAVE_ENV, "4")
     watch = PreemptionWatch(str(tmp_path))
-    save_hold.after_launch(checkpoint_id.replace("step-4", "step-2"))
+    testing.after_launch(checkpoint_id.replace("step-4", "step-2"))
     assert watch.local_request(check_file=False) is None
-    save_hold.after_launch(checkpoint_id)
+    testing.after_launch(checkpoint_id)
     assert watch.local_request(check_file=False) == "SIGTERM"  # as a scheduler's, while the write is held
 
     os.makedirs(os.path.dirname(checkpoint_id))
-    writer = threading.Thread(target=save_hold.before_write, args=(checkpoint_id, os.getpid()))
+    writer = threading.Thread(target=testing.before_write, args=(checkpoint_id, os.getpid()))
     writer.start()
     assert writer.is_alive()  # it returns only once the job announces its wait (or fails after 300 s)
-    save_hold.announce(checkpoint_id)
+    testing.announce(checkpoint_id)
     writer.join(timeout=60)
     assert not writer.is_alive()
-    save_hold.release(checkpoint_id)
+    testing.release(checkpoint_id)
     assert os.listdir(os.path.dirname(checkpoint_id)) == []
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from benchmarks.bench_checkpoint_stall import MODES, check_checkpoints, main, mode_command, stalls, table
-from mhar_titan.components.sealed_save import SealedBackgroundWriter
+from mhar_titan.components.checkpoint.sealed_save import SealedBackgroundWriter
 
 
 def test_the_modes_run_the_same_job_but_for_async_mode(tmp_path):

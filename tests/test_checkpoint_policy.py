@@ -4,8 +4,8 @@ import queue
 import signal
 from types import SimpleNamespace
 
-from mhar_titan.components import checkpoint
-from mhar_titan.components.checkpoint import CPTCheckpointManager, complete_steps
+from mhar_titan.components.checkpoint.layout import complete_steps
+from mhar_titan.components.checkpoint.manager import CPTCheckpointManager
 
 
 def make_folder(root, complete, partial):
@@ -25,7 +25,7 @@ def test_purge_keeps_the_last_k_complete_and_every_mth_and_drops_unfinished_writ
     manager.folder, manager.keep_latest_k, manager.keep_every = str(tmp_path), 3, 8
     manager.kept_steps = {4}  # the checkpoint before a spike ([spikes] keep_checkpoint_before)
     manager.purge_queue = queue.Queue()
-    monkeypatch.setattr(checkpoint, "dist", SimpleNamespace(get_rank=lambda: 0))
+    monkeypatch.setattr("mhar_titan.components.checkpoint.manager.dist", SimpleNamespace(get_rank=lambda: 0))
     manager._purge_stale_checkpoints()
     purged = []
     while not manager.purge_queue.empty():
@@ -79,7 +79,7 @@ def test_purge_leaves_a_symlinked_step_folder_and_its_target_alone_and_says_so(t
     manager.folder, manager.keep_latest_k, manager.keep_every = str(folder), 2, 0
     manager.kept_steps = set()
     manager.purge_queue, manager._told_links = queue.Queue(), set()
-    monkeypatch.setattr(checkpoint, "dist", SimpleNamespace(get_rank=lambda: 0))
+    monkeypatch.setattr("mhar_titan.components.checkpoint.manager.dist", SimpleNamespace(get_rank=lambda: 0))
     with caplog.at_level("INFO"):
         manager._purge_stale_checkpoints()
         manager._purge_stale_checkpoints()

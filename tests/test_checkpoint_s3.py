@@ -1,6 +1,6 @@
 """Checkpoints kept in object storage, `[checkpoint] folder = "s3://..."`, against a real S3 server (moto's, through
 s3fs): through train_cpt.py on 2 CPU ranks, the copies on the store, the relaunch on an empty run folder that
-resumes from them bit for bit, a failed upload, and the prefixes a run refuses (components/remote_checkpoints.py).
+resumes from them bit for bit, a failed upload, and the prefixes a run refuses (components/checkpoint/remote.py).
 """
 
 import json
@@ -13,7 +13,8 @@ from conftest import torchrun
 from s3_server import s3_server
 
 from benchmarks.s3_proxy import S3Proxy
-from mhar_titan.components.remote_checkpoints import CLAIM, FAIL_ENV, RemoteCheckpoints
+from mhar_titan.components.checkpoint.remote import CLAIM, RemoteCheckpoints
+from mhar_titan.components.checkpoint.testing import FAIL_UPLOAD_ENV
 from mhar_titan.components.tensorboard_scalars import read_scalars
 from mhar_titan.hf.run import load_run_checkpoint
 
@@ -94,7 +95,7 @@ def test_a_failed_last_upload_fails_the_job_and_the_relaunch_puts_it_there(tmp_p
         fs.mkdir("ckpt")
         run = tmp_path / "run"
         background = ("--checkpoint.async_mode", "async")
-        proc = torchrun(run, *ARGS, "--checkpoint.folder", url, *background, env={FAIL_ENV: "7:1"}, check=False)
+        proc = torchrun(run, *ARGS, "--checkpoint.folder", url, *background, env={FAIL_UPLOAD_ENV: "7:1"}, check=False)
         log = proc.stdout + proc.stderr
         assert proc.returncode != 0
         assert f"{url}/step-7: the upload failed on rank 1 (OSError: the store refused the upload" in log

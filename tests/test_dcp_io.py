@@ -8,15 +8,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from benchmarks import bench_checkpoint_io
-from mhar_titan.components.checkpoint import DataOnlyLoadPlanner
-from mhar_titan.components.checksums import without_torch_crc32
-from mhar_titan.components.dcp_io import (
+from mhar_titan.components.checkpoint.checksums import without_torch_crc32
+from mhar_titan.components.checkpoint.dcp_io import (
     STAGE_MIN_BYTES,
     ParallelFileSystemReader,
     PinnedStaging,
     StreamingFileSystemWriter,
     share_by_size,
 )
+from mhar_titan.components.checkpoint.manager import DataOnlyLoadPlanner
 
 
 def _state() -> dict:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from tiny_runs import write_tiny_run
 
 from benchmarks import hf_export_check
-from mhar_titan.components.checksums import write_manifest
+from mhar_titan.components.checkpoint.checksums import write_manifest
 from mhar_titan.hf.export import export_hf, init_hf
 from mhar_titan.hf.run import export_run, load_run_checkpoint
 from mhar_titan.model.args import MHAR

@@ -15,7 +15,7 @@ from conftest import REPO
 from tiny_runs import write_tiny_run
 
 from data import atomic, prepare
-from mhar_titan.components.checksums import write_manifest
+from mhar_titan.components.checkpoint.checksums import write_manifest
 from mhar_titan.hf import __main__ as hf_cli
 from mhar_titan.hf import export as hf_export
 from mhar_titan.hf import run as hf_run

@@ -133,6 +133,37 @@ def test_the_trainer_imports_none_of_the_concerns_it_hosts():
     assert not _imports("mhar_titan.trainer", known["mhar_titan.trainer"], known) & concerns
 
 
+CHECKPOINT = "mhar_titan.components.checkpoint"
+TOOLS = ("mhar_titan.eval", "mhar_titan.hf", "mhar_titan.preflight", "mhar_titan.compare", "benchmarks")
+# What the tools use of the checkpoint package besides its layout, none of it torchtitan-bound: the checksums (a step
+# verified, or a test step's written) and the threaded DCP reader (hf export reads a step with it).
+TOOLS_MAY_USE = (f"{CHECKPOINT}.layout", f"{CHECKPOINT}.checksums", f"{CHECKPOINT}.dcp_io")
+# Benchmarks that drive a module of the package itself: the store's copy, the resume faults' names.
+BENCHMARKS_DRIVE = {"benchmarks.bench_checkpoint_s3": f"{CHECKPOINT}.remote",
+                    "benchmarks.resume_spread": f"{CHECKPOINT}.testing"}  # fmt: skip
+
+
+def test_the_checkpoint_layout_loads_no_torch_and_no_torchtitan():
+    loaded = _loaded_after(f"import {CHECKPOINT}.layout")
+    assert not [m for m in loaded if m.split(".")[0] in ("torch", "torchtitan")]
+    body = ast.parse((REPO / "mhar_titan" / "components" / "checkpoint" / "__init__.py").read_text()).body
+    assert len(body) == 1 and isinstance(body[0].value, ast.Constant), "the package's __init__: more than a docstring"
+
+
+def test_the_tools_use_the_checkpoint_layout_not_the_manager():
+    known = _modules()
+    used = []
+    for name, path in known.items():
+        if any(name == tool or name.startswith(tool + ".") for tool in TOOLS):
+            allowed = (CHECKPOINT, *TOOLS_MAY_USE, BENCHMARKS_DRIVE.get(name))
+            used += [f"{name} imports {m}" for m in sorted(_imports(name, path, known))
+                     if m.startswith(CHECKPOINT + ".") and m not in allowed]  # fmt: skip
+    assert not used, used
+    loaded = _loaded_after("; ".join(f"import {m}" for m in TOOLS_MAY_USE))
+    assert not [m for m in loaded if m.split(".")[0] == "torchtitan" or m == f"{CHECKPOINT}.manager"]
+    assert f"{CHECKPOINT}.manager" not in BENCHMARKS_DRIVE.values()
+
+
 def test_model_code_imports_no_infrastructure():
     known = _modules()
     for name in MODEL_CODE:

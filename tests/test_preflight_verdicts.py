@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO
 
 from benchmarks import resume_spread
-from mhar_titan.components import resume_faults
+from mhar_titan.components.checkpoint import testing
 from mhar_titan.preflight.resume import resume_check
 from mhar_titan.preflight.verdicts import SPREAD_FACTOR, pair_stage, resume_verdict, spread_ratio
 
@@ -153,11 +153,11 @@ def test_one_relaunch_a_fault_is_refused_where_the_clean_relaunches_differ():
 
 
 def test_the_seam_refuses_an_unknown_fault(monkeypatch):
-    monkeypatch.setenv(resume_faults.ENV, "optimiser")
+    monkeypatch.setenv(testing.RESUME_FAULT_ENV, "optimiser")
     with pytest.raises(ValueError, match="MHAR_TEST_RESUME_FAULT='optimiser': one of data, moments, lr, ema"):
-        resume_faults.requested()
-    monkeypatch.delenv(resume_faults.ENV)
-    assert resume_faults.requested() is None
+        testing.resume_fault()
+    monkeypatch.delenv(testing.RESUME_FAULT_ENV)
+    assert testing.resume_fault() is None
 
 
 # -- the faults injected for real on 2 CPU ranks, judged as the preflight judges -------------------------------------

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from mhar_titan.components import run_checks
+from mhar_titan.components.checkpoint import space
 from mhar_titan.components.hooks import Hooks
 from mhar_titan.components.lr_schedule import apply_settings, build_lr_schedulers
 from mhar_titan.components.optimizer import group_settings
@@ -204,14 +204,14 @@ def test_a_checkpoint_folder_that_cannot_be_made_or_has_no_room_is_refused_namin
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the run's folder should be")
     with pytest.raises(OSError, match=rf"checkpoint folder {blocker}/checkpoint is not writable \(NotADirectoryError"):
-        run_checks.check_checkpoint_folder(str(blocker / "checkpoint"), 1)
+        space.check_checkpoint_folder(str(blocker / "checkpoint"), 1)
     folder = tmp_path / "run" / "checkpoint"
-    run_checks.check_checkpoint_folder(str(folder), 1)  # made, written to, room
+    space.check_checkpoint_folder(str(folder), 1)  # made, written to, room
     assert folder.is_dir() and not list(folder.iterdir())  # the probe is gone
     usage = shutil.disk_usage(folder)
-    monkeypatch.setattr(run_checks.shutil, "disk_usage", lambda path: usage._replace(free=3 * 2**30))
+    monkeypatch.setattr(space.shutil, "disk_usage", lambda path: usage._replace(free=3 * 2**30))
     with pytest.raises(OSError, match=r": 3.00 GiB free, one checkpoint of this run takes about 128.00 GiB"):
-        run_checks.check_checkpoint_folder(str(folder), 128 * 2**30)
+        space.check_checkpoint_folder(str(folder), 128 * 2**30)
 
 
 def test_a_save_that_fails_on_a_full_disk_says_so_and_any_other_failure_is_left_as_it_is(tmp_path, monkeypatch):
@@ -219,22 +219,22 @@ def test_a_save_that_fails_on_a_full_disk_says_so_and_any_other_failure_is_left_
     step.mkdir(parents=True)
     torch_says = RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 2240 vs 2134")
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(run_checks.shutil, "disk_usage", lambda path: usage._replace(free=2**20))
-    told = run_checks.save_failure(str(step), 128 * 2**30, torch_says)
+    monkeypatch.setattr(space.shutil, "disk_usage", lambda path: usage._replace(free=2**20))
+    told = space.save_failure(str(step), 128 * 2**30, torch_says)
     assert isinstance(told, OSError) and told.errno == errno.ENOSPC
     assert f"checkpoint {step} could not be written: No space left on device (0.00 GiB free, a checkpoint" in str(told)
     assert "unexpected pos 2240 vs 2134" in str(told)  # torch's own words kept
-    monkeypatch.setattr(run_checks.shutil, "disk_usage", lambda path: usage._replace(free=2**40))
+    monkeypatch.setattr(space.shutil, "disk_usage", lambda path: usage._replace(free=2**40))
     other = RuntimeError("a rank could not reach the store")
-    assert run_checks.save_failure(str(step), 128 * 2**30, other) is other
+    assert space.save_failure(str(step), 128 * 2**30, other) is other
     nospace = OSError(errno.ENOSPC, "No space left on device")  # a quota: room on the disk, none for us
-    assert run_checks.save_failure(str(tmp_path / "gone" / "step-8"), 1, nospace) is not nospace
+    assert space.save_failure(str(tmp_path / "gone" / "step-8"), 1, nospace) is not nospace
 
 
 def test_a_checkpoint_takes_weights_two_moments_and_the_fp32_ema():
     model = torch.nn.Linear(10, 10)  # 110 parameters in fp32
-    assert run_checks.checkpoint_bytes(model, ema=True) == 110 * (3 * 4 + 4)
-    assert run_checks.checkpoint_bytes(model.to(torch.bfloat16), ema=False) == 110 * 3 * 2
+    assert space.checkpoint_bytes(model, ema=True) == 110 * (3 * 4 + 4)
+    assert space.checkpoint_bytes(model.to(torch.bfloat16), ema=False) == 110 * 3 * 2
 
 
 def test_the_run_lock_is_released_even_when_closing_fails(tmp_path):

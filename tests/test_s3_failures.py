@@ -29,8 +29,8 @@ from data.loader import ParquetDataLoader, source_infos
 from data.shards import BadShardError, read_row_group
 from data.store import StoreError, filesystem, read_from_store
 from data.stream import epoch_streams
-from mhar_titan.components.checkpoint import complete_steps
-from mhar_titan.components.checksums import verify_share
+from mhar_titan.components.checkpoint.checksums import verify_share
+from mhar_titan.components.checkpoint.layout import complete_steps
 from mhar_titan.main import refusals
 
 BUCKET = "corpora"

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from mhar_titan.compare.report import _spike_lines
 from mhar_titan.components import spikes
-from mhar_titan.components.checkpoint import DataOnlyLoadPlanner
+from mhar_titan.components.checkpoint.manager import DataOnlyLoadPlanner
 from mhar_titan.components.tensorboard_scalars import read_scalars
 from mhar_titan.config import parse_config
 

@@ -20,9 +20,9 @@ from conftest import REPO, process_tree, torchrun
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from mhar_titan.components.checkpoint import complete_steps
-from mhar_titan.components.checksums import MANIFEST_DIR, verify_share
-from mhar_titan.components.save_hold import ENV as HOLD_SAVE
+from mhar_titan.components.checkpoint.checksums import verify_share
+from mhar_titan.components.checkpoint.layout import MANIFEST_DIR, complete_steps
+from mhar_titan.components.checkpoint.testing import HOLD_SAVE_ENV as HOLD_SAVE
 from mhar_titan.components.tensorboard_scalars import LOSS_TAG, read_scalars
 from mhar_titan.config import parse_config
 from mhar_titan.hf.run import load_run_checkpoint
@@ -270,7 +270,7 @@ def test_a_stop_during_a_background_save_waits_for_it_and_resumes_to_the_same_lo
     ckpt = run / "checkpoint"
     # 1. Saves every 2 steps in torch's checkpoint process (async_with_pinned_mem: staged by a thread while the
     #    next step runs and validation swaps the EMA in). The save of step 4 is held before it writes a byte while
-    #    the job gets SIGTERM (components/save_hold.py): the stop after step 5 waits for it, then saves step 5.
+    #    the job gets SIGTERM (components/checkpoint/testing.py): the stop after step 5 waits for it, then saves step 5.
     proc = torchrun(run, *asynchronous, "--checkpoint.async_mode", "async_with_pinned_mem", env={HOLD_SAVE: "4"},
                     check=False)  # fmt: skip
     log = proc.stdout + proc.stderr

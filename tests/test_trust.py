@@ -10,9 +10,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from mhar_titan.components import checksums, fingerprint
-from mhar_titan.components.checkpoint import DamagedCheckpoint, DataOnlyLoadPlanner, verify_checkpoint
-from mhar_titan.components.checksums import MANIFEST_DIR, verify_share, without_torch_crc32, write_manifest
+from mhar_titan.components import fingerprint
+from mhar_titan.components.checkpoint import checksums
+from mhar_titan.components.checkpoint.checksums import verify_share, without_torch_crc32, write_manifest
+from mhar_titan.components.checkpoint.layout import MANIFEST_DIR
+from mhar_titan.components.checkpoint.manager import DamagedCheckpoint, DataOnlyLoadPlanner, verify_checkpoint
 from mhar_titan.components.hooks import Step
 from mhar_titan.components.preemption import Preemption
 from mhar_titan.config import parse_config

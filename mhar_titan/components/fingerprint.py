@@ -32,6 +32,7 @@ from data.atomic import write_text
 from data.mixture import parse_mixture
 from data.stages import StageSchedule, parse_stages
 from data.stream import shard_keys
+from mhar_titan.components.checkpoint.layout import COMPLETE
 
 if TYPE_CHECKING:  # annotations only: the comparison reads fingerprints without loading torchtitan (and triton)
     from torchtitan.config import JobConfig
@@ -92,7 +93,7 @@ def base_group(job_config: JobConfig) -> dict[str, Any]:
         path = ckpt.initial_load_path or job_config.model.hf_assets_path
         files = ("config.json", "model.safetensors.index.json", "model.safetensors")
     elif ckpt.initial_load_path:
-        path, files = ckpt.initial_load_path, (".metadata",)
+        path, files = ckpt.initial_load_path, (COMPLETE,)
     else:
         return {"init": "random", "seed": job_config.debug.seed}
     out: dict[str, Any] = {"path": os.path.abspath(path), "format": "hf" if ckpt.initial_load_in_hf else "dcp"}

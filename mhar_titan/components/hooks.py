@@ -174,6 +174,13 @@ class Hooks:
         for hook in self.hooks:
             getattr(hook, phase)(*args)
 
+    def set_up(self, trainer: Trainer) -> None:
+        """Each hook's set-up, then its own checkpoint entries registered, in order (a later hook's set-up sees what
+        the checkpoint holds: the run's checks count the EMA's bytes)."""
+        for hook in self.hooks:
+            hook.set_up(trainer)
+            trainer.checkpointer.states.update(hook.checkpointed())
+
     def scalars(self, step: Step, named: dict[str, Scalar]) -> dict[str, Scalar]:
         """`named` (the trainer's own values) and every hook's, each name given once."""
         out = dict(named)
@@ -200,12 +207,6 @@ class Hooks:
         out: dict[str, Any] = {}
         for hook in self.hooks:
             out.update(hook.state_dict())
-        return out
-
-    def checkpointed(self) -> dict[str, Stateful]:
-        out: dict[str, Stateful] = {}
-        for hook in self.hooks:
-            out.update(hook.checkpointed())
         return out
 
     def close(self) -> None:

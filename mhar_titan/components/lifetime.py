@@ -32,7 +32,7 @@ compile workers (their own parent-pid watchdog); PDEATHSIG is not inherited acro
 checkpoint process (`async_mode = "async_with_pinned_mem"`) imports train_cpt.py as `__mp_main__` and
 does not arm it: it is spawned from a thread that exits after that save, which would kill it. It ends
 when its pipe to the worker closes, and a save it is writing when the worker dies stops before its
-`.metadata` (components/sealed_save.py), so it never completes a checkpoint a relaunch may be writing.
+`.metadata` (components/checkpoint/sealed_save.py), so it never completes a checkpoint a relaunch may be writing.
 
 Stdlib only: `train_cpt.py` loads this file before torch, so that arming costs milliseconds.
 """

@@ -59,7 +59,6 @@ class RunFolder(Hook):
         cfg, data, ckpt = trainer.job_config, trainer.dataloader, trainer.checkpointer
         batch = cfg.training.local_batch_size * trainer.dp_degree * trainer.gradient_accumulation_steps  # global
         self.fingerprint = fingerprint.fingerprint(cfg, trainer.model_args, data.shards, batch, data.contents())
-        ckpt.expected_bytes = run_checks.checkpoint_bytes(trainer.model_parts[0], cfg.ema.enable)
         steps, folder, needed = ckpt.all_steps(), ckpt.folder, ckpt.expected_bytes
         self.changes = run_checks.check_resume(cfg, self.fingerprint, steps, folder, needed)
         ckpt.copy_down(cfg.checkpoint.load_step)  # a step kept only on the store, before any work

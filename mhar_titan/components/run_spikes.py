@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torchtitan.tools.logging import logger
 
-from mhar_titan.components.checkpoint import complete_steps
+from mhar_titan.components.checkpoint.layout import complete_steps
 from mhar_titan.components.hooks import Hook, Step
 from mhar_titan.components.spikes import TAGS, SpikeMonitor, append, cut_back, newest_before
 
@@ -41,7 +41,7 @@ class RunSpikes(Hook):
         """After the load: the record cut back to the step resumed from, and the checkpoints it keeps."""
         if self.enabled and self.rank0:
             kept = {s.kept_checkpoint for s in cut_back(self.folder, step) if s.kept_checkpoint is not None}
-            self.checkpointer.kept_steps |= kept
+            self.checkpointer.keep(kept)
 
     def after_step(self, step: Step) -> None:
         """An applied step's global values scored; said, recorded and marked for TensorBoard if they spiked."""
@@ -53,8 +53,7 @@ class RunSpikes(Hook):
             before = newest_before(complete_steps(self.checkpointer.folder), step.number) if self.keep_before else None
             for s in spikes:
                 s.kept_checkpoint = before
-            if before is not None:
-                self.checkpointer.kept_steps.add(before)
+            self.checkpointer.keep({before} - {None})
             append(self.folder, spikes)
         for s in spikes:
             logger.warning(s.line(self.monitor.threshold, self.monitor.window))

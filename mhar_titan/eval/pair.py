@@ -39,7 +39,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from data.atomic import write_text
 from mhar_titan.compare.stats import paired_ci
-from mhar_titan.components.checkpoint import complete_steps
+from mhar_titan.components.checkpoint.layout import FOLDER, complete_steps
 from mhar_titan.eval.harness import Tasks, load_tasks, one_line, run_harness
 from mhar_titan.eval.steps import ARMS, read_arm
 from mhar_titan.eval.suites import requested
@@ -52,7 +52,7 @@ REPORT_START, REPORT_END = "<!-- eval: start -->", "<!-- eval: end -->"
 
 def common_step(pair: Path, step: int | None) -> int:
     """The newest step both arms have a complete checkpoint for (or `step`, checked)."""
-    have = [set(complete_steps(str(pair / arm / "checkpoint"))) for arm in ARMS]
+    have = [set(complete_steps(str(pair / arm / FOLDER))) for arm in ARMS]
     both = sorted(have[0] & have[1])
     if step is not None:
         if step not in both:

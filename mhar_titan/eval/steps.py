@@ -2,7 +2,7 @@
 one arm has and the other has not reached yet (waited for), which were deleted by retention (keep_latest_k)
 before they could be evaluated (skipped, and said so), and when both runs are finished.
 
-Only complete checkpoints count (DCP's `.metadata` written: components/checkpoint.complete_steps), and only
+Only complete checkpoints count (DCP's `.metadata` written: components/checkpoint/layout.complete_steps), and only
 once settled: every file covered by the checksums the trainer writes right after the save (the export
 verifies them), or, for a checkpoint without checksums, `.metadata` older than `settle` seconds. What a run
 will save comes from its records (`config.resolved.toml`: `[training] steps`, `[checkpoint] interval`);
@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mhar_titan.components.checkpoint import complete_steps
-from mhar_titan.components.checksums import checkpoint_files, file_digest, read_manifests
+from mhar_titan.components.checkpoint.checksums import file_digest, read_manifests
+from mhar_titan.components.checkpoint.layout import COMPLETE, FOLDER, checkpoint_files, complete_steps, step_folder
 from mhar_titan.hf.ledger import read_json
 
 ARMS = ("control", "mhar")
-METADATA = ".metadata"  # DCP writes it last (components/checkpoint.py: a checkpoint is complete with it)
 
 
 @dataclass(frozen=True)
@@ -37,10 +36,10 @@ class Arm:
     interval: int | None  # [checkpoint] interval
 
     def step_dir(self, step: int) -> Path:
-        return self.folder / "checkpoint" / f"step-{step}"
+        return self.folder / FOLDER / step_folder(step)
 
     def complete(self) -> list[int]:
-        return complete_steps(str(self.folder / "checkpoint"))
+        return complete_steps(str(self.folder / FOLDER))
 
     def expected(self, latest: int | None) -> set[int]:
         """The steps it saved up to `latest` by its interval, and its last step once reached."""
@@ -119,7 +118,7 @@ def base_identity(folder: Path) -> dict[str, Any]:
 def checkpoint_identity(step_dir: Path) -> dict[str, Any]:
     """The checkpoint a record was evaluated from: its `.metadata` (DCP gives every save its own save_id, so a
     step saved again, e.g. after a resume from an earlier checkpoint, differs; a copy of the folder does not)."""
-    path = step_dir / METADATA
+    path = step_dir / COMPLETE
     return {"metadata_xxh3": file_digest(str(path)), "metadata_bytes": path.stat().st_size}
 
 
@@ -129,7 +128,7 @@ def settled(step_dir: Path, settle: float, now: float | None = None) -> bool:
     try:
         if set(checkpoint_files(str(step_dir))) <= set(read_manifests(str(step_dir))):
             return True
-        return (now if now is not None else time.time()) - (step_dir / METADATA).stat().st_mtime >= settle
+        return (now if now is not None else time.time()) - (step_dir / COMPLETE).stat().st_mtime >= settle
     except ValueError:
         return True  # a damaged manifest: the export's verification names it
     except OSError:

@@ -31,6 +31,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from mhar_titan.components.checkpoint.layout import COMPLETE
 from mhar_titan.components.run_lock import RunLock
 from mhar_titan.eval import steps
 from mhar_titan.eval.harness import EXTRA, Tasks, load_tasks, one_line, run_harness
@@ -207,7 +208,7 @@ class Watch:
                 continue
             step_dir = self.arms[key.arm].step_dir(key.step)
             try:
-                stat = (step_dir / steps.METADATA).stat()
+                stat = (step_dir / COMPLETE).stat()
             except FileNotFoundError:
                 continue  # deleted by retention: its records stay valid
             signature = (stat.st_mtime_ns, stat.st_size, stat.st_ino)

@@ -110,7 +110,7 @@ def build_ledger(path: str, expected: dict[str, torch.Size], adapter: MHARStateD
 
 class LedgerStateDictAdapter(MHARStateDictAdapter):
     """The train spec's adapter: the model's, and the ledger the checkpoint manager checks before it loads an HF
-    checkpoint (mhar_titan/components/checkpoint.py, which does not import hf)."""
+    checkpoint (mhar_titan/components/checkpoint/manager.py, which does not import hf)."""
 
     def ledger(self, path: str, expected: dict[str, torch.Size]) -> LoadLedger:
         return build_ledger(path, expected, self)

@@ -15,9 +15,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
-from mhar_titan.components.checkpoint import complete_steps
-from mhar_titan.components.checksums import verify_share
-from mhar_titan.components.dcp_io import ParallelFileSystemReader
+from mhar_titan.components.checkpoint import layout
+from mhar_titan.components.checkpoint.checksums import verify_share
+from mhar_titan.components.checkpoint.dcp_io import ParallelFileSystemReader
 from mhar_titan.components.ema import plain_name
 from mhar_titan.hf.export import config_base, folder_config, refuse_open_gates, write_folder
 from mhar_titan.hf.files import check_new_output, plan_shards, shard_name, write_index, write_safetensors
@@ -41,15 +41,15 @@ def run_model_args(run_dir: str) -> tuple[MHARModelArgs, str | None]:
 
 def checkpoint_step_dir(run_dir: str, step: int | None = None) -> str:
     """The run's checkpoint folder for `step` (default: the latest complete one)."""
-    folder = os.path.join(run_dir, "checkpoint")
-    steps = complete_steps(folder)
+    folder = os.path.join(run_dir, layout.FOLDER)
+    steps = layout.complete_steps(folder)
     if not steps:
-        raise FileNotFoundError(f"{folder}: no complete checkpoint (step-N with .metadata)")
+        raise FileNotFoundError(f"{folder}: no complete checkpoint ({layout.STEP_PREFIX}N with {layout.COMPLETE})")
     if step is None:
         step = steps[-1]
     if step not in steps:
         raise FileNotFoundError(f"{folder}: no complete checkpoint for step {step}; have {steps}")
-    return os.path.join(folder, f"step-{step}")
+    return layout.step_dir(folder, step)
 
 
 def load_run_checkpoint(

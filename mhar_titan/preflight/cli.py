@@ -33,6 +33,7 @@ import torch
 from data.atomic import write_text
 from mhar_titan import plan
 from mhar_titan.compare.pair import compare
+from mhar_titan.components.checkpoint.layout import FOLDER
 from mhar_titan.hf.export import init_hf
 from mhar_titan.hf.files import DTYPES
 from mhar_titan.model.sources import SourceLayout
@@ -244,7 +245,7 @@ class Preflight:
         return [*self.overrides,
                 "--model.flavor", "hf", "--model.hf_assets_path", base, "--checkpoint.initial_load_in_hf",
                 "--training.steps", str(s.steps), "--training.global_batch_size", str(t.local_batch_size * s.nproc),
-                "--checkpoint.enable", "--checkpoint.folder", "checkpoint",
+                "--checkpoint.enable", "--checkpoint.folder", FOLDER,
                 "--checkpoint.interval", str(s.checkpoint_at), "--checkpoint.keep_latest_k", "2",
                 "--checkpoint.keep_every", "0",
                 "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
@@ -259,7 +260,7 @@ class Preflight:
             if self.args.checkpoints:
                 target = Path(self.args.checkpoints).resolve() / f"{self.root.name}-{arm}"
                 target.mkdir(parents=True, exist_ok=True)
-                (s.pair / arm / "checkpoint").symlink_to(target)
+                (s.pair / arm / FOLDER).symlink_to(target)
 
     def pair(self) -> dict[str, Any] | None:
         began = time.monotonic()
@@ -328,7 +329,7 @@ class Preflight:
         self.export_runs[arm] = _in_process(checks, self.root / "logs" / f"exports-{arm}.log")
 
     def drop_checkpoints(self, s: PairSettings, arm: str) -> None:
-        folder = s.pair / arm / "checkpoint"
+        folder = s.pair / arm / FOLDER
         if folder.is_symlink():
             shutil.rmtree(folder.resolve(), ignore_errors=True)
             folder.unlink()

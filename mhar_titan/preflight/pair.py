@@ -24,7 +24,7 @@ from typing import Any
 
 from data.loader import check_stages, data_config
 from data.mixture import parse_mixture
-from mhar_titan.components.checkpoint import complete_steps
+from mhar_titan.components.checkpoint.layout import FOLDER, complete_steps, step_folder
 from mhar_titan.components.tensorboard_scalars import load_scalars
 
 REPO = Path(__file__).resolve().parents[2]
@@ -120,7 +120,7 @@ def run_killed(
     began = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(s.python), start_new_session=True)
-    folder = str(s.pair / arm / "checkpoint")
+    folder = str(s.pair / arm / FOLDER)
     job = "the rerun from the checkpoint" if rerun else "the first job"
     try:
         while True:
@@ -175,7 +175,7 @@ def run_resumed(
     began = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env(s.python), start_new_session=True)
-    loaded = s.pair / arm / "checkpoint" / f"step-{s.checkpoint_at}"
+    loaded = s.pair / arm / FOLDER / step_folder(s.checkpoint_at)
     started = f"Training starts at step {s.checkpoint_at + 1}"
     try:
         while (code := proc.poll()) is None:

@@ -5,7 +5,7 @@ complete checkpoints (last `keep_latest_k`, plus every `keep_every`-th step), an
 state read back as data only.
 
 A checkpoint is complete once DCP has written its `.metadata`, which it does last, after every rank's files
-and checksums (components/sealed_save.py): a job killed mid-write leaves a folder without it, which is never
+and checksums (sealed_save.py, layout.py): a job killed mid-write leaves a folder without it, which is never
 loaded and is removed later. Saves run in the loop or, with torchtitan's `[checkpoint] async_mode`, in the
 background; a background save is waited for before the next save, a stop's save (preemption, bad steps, a
 source read to its end), the last step's save and the job's end (the run lock is held until then).
@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import re
 import sys
 import time
 from typing import Any
@@ -39,17 +38,17 @@ from torchtitan.tools.utils import GarbageCollection
 
 from data.collectives import gather_objects
 from data.index import share_from_rank0
-from mhar_titan.components import save_hold, sealed_save
-from mhar_titan.components.checksums import verify_share, without_torch_crc32
-from mhar_titan.components.dcp_io import ParallelFileSystemReader, PinnedStaging
-from mhar_titan.components.remote_checkpoints import LOCAL_FOLDER, RemoteCheckpoints, is_url
-from mhar_titan.components.run_checks import save_failure
-from mhar_titan.components.sealed_save import ReusedStager, SealedBackgroundWriter, SealedStreamingWriter
+from mhar_titan.components.checkpoint import sealed_save, testing
+from mhar_titan.components.checkpoint.checksums import verify_share, without_torch_crc32
+from mhar_titan.components.checkpoint.dcp_io import ParallelFileSystemReader, PinnedStaging
+from mhar_titan.components.checkpoint.layout import FOLDER, complete_steps, is_complete, step_folders, step_of
+from mhar_titan.components.checkpoint.remote import RemoteCheckpoints, is_url
+from mhar_titan.components.checkpoint.sealed_save import ReusedStager, SealedBackgroundWriter, SealedStreamingWriter
+from mhar_titan.components.checkpoint.space import checkpoint_bytes, save_failure
+from mhar_titan.components.ema import STATE as EMA_STATE
 from mhar_titan.model.state_dict_adapter import OUR_ROUTING
 
 LEDGER_FILE = "load_ledger.json"
-_COMPLETE = ".metadata"  # DCP writes it last: the one rule for "complete", here and in the tools
-_STEP_FOLDER = re.compile(r"step-(\d+)")  # torchtitan's name of a step's checkpoint folder
 
 
 class DamagedCheckpoint(ValueError):
@@ -122,30 +121,19 @@ def verify_checkpoint(checkpoint_id: str) -> None:
         logger.info(f"{checkpoint_id}: checksums verified in {time.perf_counter() - began:.1f} s")
 
 
-def complete_steps(folder: str) -> list[int]:
-    """Steps with a complete checkpoint (DCP's `.metadata` written), ascending."""
-    steps = []
-    for name in os.listdir(folder) if os.path.isdir(folder) else []:
-        m = _STEP_FOLDER.fullmatch(name)
-        if m and os.path.isfile(os.path.join(folder, name, _COMPLETE)):
-            steps.append(int(m[1]))
-    return sorted(steps)
-
-
 class CPTCheckpointManager(CheckpointManager):
     remote: RemoteCheckpoints | None = None  # the store's copy, with [checkpoint] folder a URL
 
     def __init__(self, *args: Any, **kwargs: Any):
         cfg = kwargs["checkpoint_config"]
         url = cfg.folder if is_url(cfg.folder) else ""  # kept on a store, written first in the run folder
-        cfg = kwargs["checkpoint_config"] = dataclasses.replace(cfg, folder=LOCAL_FOLDER) if url else cfg
+        cfg = kwargs["checkpoint_config"] = dataclasses.replace(cfg, folder=FOLDER) if url else cfg
         super().__init__(*args, **kwargs)
         self.keep_every = getattr(cfg, "keep_every", 0)
         self.pinned_staging = PinnedStaging()  # the synchronous saves', kept from save to save
         self.pending: str | None = None  # the checkpoint a background save is writing
         if self.enable and self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM and not torch.cuda.is_available():
             self.stager = sealed_save.pinned_stager()  # before torchtitan's save makes its own, which needs a GPU
-        self.expected_bytes = 0  # one checkpoint's size on disk, set by the trainer: for a full disk's message
         self.kept_steps: set[int] = set()  # kept out of retention besides the policy's (the checkpoint before a spike)
         self._told_links: set[int] = set()
         if not self.enable:
@@ -161,9 +149,19 @@ class CPTCheckpointManager(CheckpointManager):
         self.remote = RemoteCheckpoints(url, self.folder, run_dir) if url and self.enable else None
         self.remote_steps: list[int] = []  # complete on the store, as found at start-up
 
+    @property
+    def expected_bytes(self) -> int:
+        """About what one full checkpoint of this run takes on disk (the model's weights, AdamW's moments, the EMA
+        where a hook registered one): the room checked at start-up, and a full disk's message."""
+        return checkpoint_bytes(self.states[MODEL].model[0], ema=EMA_STATE in self.states)
+
+    def keep(self, steps: set[int]) -> None:
+        """Keep these complete checkpoints out of retention (the checkpoint before a spike)."""
+        self.kept_steps |= steps
+
     def all_steps(self) -> list[int]:
         """The run's complete checkpoints, in its folder and (kept on a store) there, the store's prefix checked
-        and claimed for this run first (components/remote_checkpoints.py); a collective."""
+        and claimed for this run first (components/checkpoint/remote.py); a collective."""
         local = complete_steps(self.folder)
         if self.remote is None:
             return local
@@ -189,8 +187,8 @@ class CPTCheckpointManager(CheckpointManager):
 
     def _upload(self, checkpoint_id: str, saved: Any = None) -> None:
         """A saved step's copy to the store, in the background (nothing without one)."""
-        if self.remote is not None and (m := _STEP_FOLDER.fullmatch(os.path.basename(checkpoint_id))):
-            self.remote.upload(int(m[1]), *_rank_world(), self.retained, saved)
+        if self.remote is not None and (step := step_of(os.path.basename(checkpoint_id))) is not None:
+            self.remote.upload(step, *_rank_world(), self.retained, saved)
 
     def load(self, step: int = -1) -> bool:
         """The run's latest complete checkpoint, verified; if damaged or unreadable, the one before it
@@ -202,7 +200,7 @@ class CPTCheckpointManager(CheckpointManager):
                 raise ValueError(f"checkpoint.load_step = {step} needs checkpoint.enable = true")
             checkpoint_id = self._create_checkpoint_id(step)
             self.copy_down(step)
-            if os.path.isfile(os.path.join(checkpoint_id, _COMPLETE)):
+            if is_complete(checkpoint_id):
                 verify_checkpoint(checkpoint_id)
             loaded = super().load(step)
             logger.info(f"The run resumes from its checkpoint {checkpoint_id} (step {step})")
@@ -214,7 +212,7 @@ class CPTCheckpointManager(CheckpointManager):
             error: BaseException | None = None
             self.copy_down(candidate)  # on the store alone (a fallback past the newest): copied into the run folder
             try:
-                if os.path.isfile(os.path.join(checkpoint_id, _COMPLETE)):
+                if is_complete(checkpoint_id):
                     verify_checkpoint(checkpoint_id)
                 super().load(step=candidate)
             except (Exception, CheckpointException) as e:  # DCP's is a BaseException
@@ -252,7 +250,7 @@ class CPTCheckpointManager(CheckpointManager):
         if not os.path.isdir(path):
             raise ValueError(f"base {path!r} (checkpoint.initial_load_path or model.hf_assets_path): not a folder")
         model_only = from_hf or self.initial_load_model_only
-        if not from_hf and os.path.isfile(os.path.join(path, _COMPLETE)):
+        if not from_hf and is_complete(path):
             verify_checkpoint(path)
         self.dcp_load(
             self._states_to_load(model_only),
@@ -272,7 +270,7 @@ class CPTCheckpointManager(CheckpointManager):
         complete = complete_steps(self.folder)
         keep = self.retained(complete) | (self.remote.in_flight if self.remote is not None else set())
         newest = complete[-1] if complete else -1
-        present = [int(m[1]) for name in os.listdir(self.folder) if (m := _STEP_FOLDER.fullmatch(name))]
+        present = step_folders(self.folder)
         # complete ones beyond the policy, and unfinished writes older than the newest complete one
         for step in sorted(s for s in present if s not in keep and (s in complete or s < newest)):
             path = self._create_checkpoint_id(step)
@@ -296,7 +294,7 @@ class CPTCheckpointManager(CheckpointManager):
             logger.warning(f"step {step}: checkpointing is off, nothing saved")
             return
         self._async_wait()
-        if os.path.isfile(os.path.join(self._create_checkpoint_id(step), _COMPLETE)):
+        if is_complete(self._create_checkpoint_id(step)):
             return  # the interval save of this step already wrote it
         logger.info(f"Saving a full checkpoint at step {step} now")
         self.dcp_save(
@@ -362,7 +360,7 @@ class CPTCheckpointManager(CheckpointManager):
             )
         self.pending = checkpoint_id
         self._upload(checkpoint_id, getattr(ret, "upload_completion", ret))
-        save_hold.after_launch(checkpoint_id)  # a test's preemption; nothing otherwise
+        testing.after_launch(checkpoint_id)  # a test's preemption; nothing otherwise
         return ret
 
     def _async_wait(self) -> None:
@@ -372,7 +370,7 @@ class CPTCheckpointManager(CheckpointManager):
         waiting = future is not None and not future.done()
         began = time.perf_counter()
         if waiting:
-            save_hold.announce(pending)
+            testing.announce(pending)
         try:
             super()._async_wait()
         except (Exception, CheckpointException) as e:
@@ -382,7 +380,7 @@ class CPTCheckpointManager(CheckpointManager):
             raise failure from e
         finally:
             if waiting:
-                save_hold.release(pending)
+                testing.release(pending)
         if waiting:
             logger.info(f"waited {time.perf_counter() - began:.1f} s for the background save of {pending} to finish")
 

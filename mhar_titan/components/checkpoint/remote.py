@@ -1,7 +1,7 @@
 """Checkpoints kept in object storage: `[checkpoint] folder = "s3://bucket/runs/control"`.
 
 Each checkpoint is written and sealed in the run folder as any other (`<dump_folder>/checkpoint/step-N`: DCP's
-files, every rank's checksums, `.metadata` last; components/sealed_save.py), so a save holds the loop no longer
+files, every rank's checksums, `.metadata` last; sealed_save.py, layout.py), so a save holds the loop no longer
 than on disk. It is then copied to the store in the background. A bucket has no rename, so the copy keeps the
 disk's rule the object-store way:
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import socket
 import threading
@@ -40,27 +39,20 @@ from torchtitan.tools.logging import logger
 
 from data.atomic import clean_stale, sibling, write_text
 from data.store import StoreError, filesystem
+from mhar_titan.components.checkpoint import testing
+from mhar_titan.components.checkpoint.layout import COMPLETE, STEP_GLOB, complete_steps, step_folder, step_of
 
 CLAIM = "_RUN.json"
 LOCAL_RECORD = "remote.json"
-LOCAL_FOLDER = "checkpoint"  # where each checkpoint is written first, in the run folder (torchtitan's default name)
-METADATA = ".metadata"  # the last file of a complete checkpoint, on disk and on the store
 FINGERPRINT = "fingerprint.json"  # components/fingerprint.FILE, the record a relaunch is checked against
 RUN_FILES = (FINGERPRINT, "model_args.json", "config.resolved.toml", "environment.json", "starts.jsonl",
              "spikes.jsonl", "load_ledger.json")  # fmt: skip
 WAIT_S = 3600.0  # rank 0 waiting for the other ranks' shares of one step
 _POLL_S = 0.1
-_STEP = re.compile(r"step-(\d+)")
-FAIL_ENV = "MHAR_TEST_FAIL_UPLOAD"  # test only: `STEP:RANK` makes that rank's upload of that step fail
 
 
 def is_url(folder: str) -> bool:
     return "://" in folder
-
-
-def _test_failure(step: int, rank: int) -> None:
-    if os.environ.get(FAIL_ENV, "") == f"{step}:{rank}":
-        raise OSError(f"the store refused the upload ({FAIL_ENV}, a test)")
 
 
 def _files(folder: str) -> list[str]:
@@ -122,7 +114,7 @@ class RemoteCheckpoints:
                     f"{self.url} holds the checkpoints of another run ({_who(claim)}) than the run "
                     f"in {self.run_dir} (run {mine.get('run_id')}): use another [checkpoint] folder"
                 )
-            own_run = os.path.isfile(os.path.join(self.run_dir, FINGERPRINT)) or _local_steps(self.local)
+            own_run = os.path.isfile(os.path.join(self.run_dir, FINGERPRINT)) or bool(complete_steps(self.local))
             if not same_url and own_run:
                 raise ValueError(f"{self.url} holds the checkpoints of a run ({_who(claim)}), and {self.run_dir} "
                                  "holds a run of its own: use another [checkpoint] folder, or an empty dump_folder "
@@ -163,26 +155,26 @@ class RemoteCheckpoints:
 
     def complete_steps(self) -> list[int]:
         """Steps whose `.metadata` is on the store, ascending."""
-        found = self.fs.glob(self._path("step-*", METADATA))
-        return sorted(int(m[1]) for p in found if (m := _STEP.fullmatch(p.rstrip("/").split("/")[-2])))
+        found = self.fs.glob(self._path(STEP_GLOB, COMPLETE))
+        return sorted(s for p in found if (s := step_of(p.rstrip("/").split("/")[-2])) is not None)
 
     def fetch(self, step: int) -> None:
         """Copy a complete step into the run folder (a sibling renamed into place once whole); rank 0. A failure is a
         StoreError naming the step, with nothing left behind."""
-        target = os.path.join(self.local, f"step-{step}")
+        target = os.path.join(self.local, step_folder(step))
         clean_stale(target, ("download",), "a copy from the store of", logger.info)
         partial = sibling(target, "download")
         began = time.perf_counter()
         try:
-            self._copy_down(self._path(f"step-{step}"), partial)
+            self._copy_down(self._path(step_folder(step)), partial)
         except Exception as e:  # noqa: BLE001  the store's or the network's, in botocore's and aiohttp's own types
             shutil.rmtree(partial, ignore_errors=True)
-            raise StoreError(f"{self.url}/step-{step}: copying it into {target} failed ({type(e).__name__}: "
+            raise StoreError(f"{self.url}/{step_folder(step)}: copying it into {target} failed ({type(e).__name__}: "
                              f"{str(e)[:300]}); nothing was loaded") from e  # fmt: skip
         shutil.rmtree(target, ignore_errors=True)  # an unfinished local write of this step, if any
         os.rename(partial, target)
         size = sum(os.path.getsize(p) for p in _files_abs(target))
-        logger.info(f"{self.url}/step-{step}: copied into {target} ({size / 1e9:.2f} GB in "
+        logger.info(f"{self.url}/{step_folder(step)}: copied into {target} ({size / 1e9:.2f} GB in "
                     f"{time.perf_counter() - began:.1f} s)")  # fmt: skip
 
     def _copy_down(self, remote: str, partial: str) -> None:
@@ -218,22 +210,23 @@ class RemoteCheckpoints:
             self.in_flight.discard(step)
             return
         began, store, key = time.perf_counter(), _store(world), f"mhar_titan/upload/{n}"
-        folder = os.path.join(self.local, f"step-{step}")
+        name = step_folder(step)
+        folder = os.path.join(self.local, name)
         try:
-            _test_failure(step, rank)
-            self._put(folder, f"step-{step}", [f for f in _files(folder) if f != METADATA][rank::world])
+            testing.fail_upload(step, rank)  # a test's failure; nothing otherwise
+            self._put(folder, name, [f for f in _files(folder) if f != COMPLETE][rank::world])
             if rank != 0:
                 store.add(f"{key}/done", 1)
             else:
                 self._wait_for_ranks(store, key, world)
                 self._put(self.run_dir, "", [f for f in RUN_FILES if os.path.isfile(os.path.join(self.run_dir, f))])
-                self._put(folder, f"step-{step}", [METADATA])
+                self._put(folder, name, [COMPLETE])
                 self.purge(keep)
-                logger.info(f"{self.url}/step-{step}: complete on the store ({time.perf_counter() - began:.1f} s)")
+                logger.info(f"{self.url}/{name}: complete on the store ({time.perf_counter() - began:.1f} s)")
             self.failure = None
         except Exception as e:  # noqa: BLE001  any failure: said here, raised at the job's end if it was the last
             cause = f"the upload failed on rank {rank} ({type(e).__name__}: {e})"
-            self.failure = str(e) if isinstance(e, _OtherRank) else f"{self.url}/step-{step}: {cause}"
+            self.failure = str(e) if isinstance(e, _OtherRank) else f"{self.url}/{name}: {cause}"
             logger.error(f"{self.failure}; the checkpoint stays complete in {folder}")
             if store is not None and rank != 0:
                 store.set(f"{key}/failed", self.failure)
@@ -267,12 +260,12 @@ class RemoteCheckpoints:
         unfinished ones older than the newest complete; each step's `.metadata` deleted first."""
         complete = self.complete_steps()
         kept, newest = keep(complete), (complete[-1] if complete else -1)
-        present = [int(m[1]) for name in self._names() if (m := _STEP.fullmatch(name))]
+        present = [step for name in self._names() if (step := step_of(name)) is not None]
         for step in sorted(s for s in present if s not in kept and (s in complete or s < newest)):
             if step in complete:
-                self.fs.rm_file(self._path(f"step-{step}", METADATA))
-            self.fs.rm(self._path(f"step-{step}"), recursive=True)
-            logger.info(f"{self.url}/step-{step}: removed (retention)")
+                self.fs.rm_file(self._path(step_folder(step), COMPLETE))
+            self.fs.rm(self._path(step_folder(step)), recursive=True)
+            logger.info(f"{self.url}/{step_folder(step)}: removed (retention)")
 
     def finish(self) -> str | None:
         """At the job's end: wait for the last upload; its failure, if it failed."""
@@ -290,12 +283,6 @@ class _OtherRank(OSError):
 def _who(claim: dict[str, Any]) -> str:
     where = f"{claim.get('dump_folder')} on {claim.get('host')}"
     return f"run {claim.get('run_id')}, begun {claim.get('created')} in {where}"
-
-
-def _local_steps(folder: str) -> bool:
-    return os.path.isdir(folder) and any(
-        _STEP.fullmatch(n) and os.path.isfile(os.path.join(folder, n, METADATA)) for n in os.listdir(folder)
-    )
 
 
 def _read_json(path: str) -> dict[str, Any]:

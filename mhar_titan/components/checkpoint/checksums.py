@@ -4,7 +4,7 @@ DCP keeps no checksums of its own (torch.save's per-record CRC32, which it would
 is turned off while our saves write: see `without_torch_crc32`). Each rank hashes the files it wrote
 (`__<rank>_*.distcp`; rank 0 also `.metadata`) and writes `checksums/rank-<rank>.json` inside the step
 folder, atomically. Every save now writes them inside DCP's own write, before DCP writes `.metadata`
-(components/sealed_save.py), and each manifest records how many ranks wrote one (`ranks`): a complete
+(sealed_save.py), and each manifest records how many ranks wrote one (`ranks`): a complete
 checkpoint lacking one of them is damaged, not unverified. A load first verifies every file
 against those manifests, the files split over the ranks (each reads 1/world of the checkpoint),
 and all ranks agree on the verdict. The hash is xxHash's XXH3-128 (much faster than blake2b on one
@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,10 +30,10 @@ import torch
 import xxhash
 
 from data.atomic import write_text
+from mhar_titan.components.checkpoint.layout import MANIFEST_DIR, checkpoint_files, manifest_path, saved_by
 
 ALGORITHM = "xxh3_128"
 CHUNKS = f"{ALGORITHM}_chunks"  # an entry's per-chunk digests, in file order
-MANIFEST_DIR = "checksums"
 CHUNK_BYTES = 256 * 2**20  # the unit of work a thread hashes
 _READ = 16 * 2**20
 _THREADS = 8
@@ -47,7 +46,7 @@ def without_torch_crc32() -> Iterator[None]:
     """torch.save's CRC32 of each record off while a save writes: it made DCP's writes about three times slower
     (docs/performance.md), and our manifests, verified before every load, cover every byte of every file.
     torch.load reads such records as any other. Background saves turn it off where they write (in their thread or
-    torch's checkpoint process: components/sealed_save.py)."""
+    torch's checkpoint process: sealed_save.py)."""
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
@@ -92,12 +91,6 @@ def chunk_digests(paths: list[str], chunk_bytes: int) -> dict[str, list[str]]:
     return out
 
 
-def saved_by(step_dir: str, rank: int) -> list[str]:
-    """The files DCP's file system writer wrote for `rank` (it prefixes them `__<rank>_`); rank 0 writes `.metadata`."""
-    names = sorted(n for n in os.listdir(step_dir) if re.fullmatch(rf"__{rank}_\d+\.distcp", n))
-    return ([".metadata"] if rank == 0 and os.path.isfile(os.path.join(step_dir, ".metadata")) else []) + names
-
-
 def file_entries(step_dir: str, names: Iterable[str]) -> dict[str, Entry]:
     """{name: its manifest record} for files of a step folder: size and the XXH3-128 of each chunk."""
     paths = {name: os.path.join(step_dir, name) for name in names}
@@ -105,10 +98,6 @@ def file_entries(step_dir: str, names: Iterable[str]) -> dict[str, Entry]:
     return {
         name: {"bytes": os.path.getsize(p), "chunk_bytes": CHUNK_BYTES, CHUNKS: digests[p]} for name, p in paths.items()
     }
-
-
-def manifest_path(step_dir: str, rank: int) -> str:
-    return os.path.join(step_dir, MANIFEST_DIR, f"rank-{rank:05d}.json")
 
 
 def write_manifest(step_dir: str, rank: int, files: dict[str, Entry] | None = None, ranks: int | None = None) -> str:
@@ -165,11 +154,6 @@ def read_manifests(step_dir: str) -> dict[str, Entry]:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}: not a checksum manifest ({type(e).__name__}: {e})") from e
     return recorded
-
-
-def checkpoint_files(step_dir: str) -> list[str]:
-    """The files a DCP checkpoint consists of: `.metadata` and the `.distcp` shards."""
-    return sorted(n for n in os.listdir(step_dir) if n == ".metadata" or n.endswith(".distcp"))
 
 
 def verify_share(step_dir: str, rank: int, world: int) -> tuple[list[str], list[str]]:

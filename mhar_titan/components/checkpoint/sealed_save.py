@@ -4,7 +4,7 @@ or in the background (torchtitan's `[checkpoint] async_mode`).
 DCP saves in three collective steps (torch/distributed/checkpoint/state_dict_saver.py, _save_state_dict): every
 rank plans, every rank writes its files (`write_data`), then rank 0, once it has gathered every rank's write
 results, writes `.metadata` (`finish`: a temporary file renamed into place last). `.metadata` is therefore the
-one mark of a complete checkpoint (components/checkpoint.complete_steps: the load, retention and the tools).
+one mark of a complete checkpoint (layout.complete_steps: the load, retention and the tools).
 
 The writers here hash a rank's files inside its `write_data` and write that rank's manifest there, before the
 gather; rank 0 writes its own, with the checksum of `.metadata`, inside `finish`, just before the rename. So by
@@ -13,7 +13,7 @@ loop (`disabled`), in torchtitan's background thread (`async`) or in torch's che
 (`async_with_pinned_mem`): nothing can see a complete checkpoint whose checksums are still to come, and a job
 killed at any moment leaves either a complete, checksummed checkpoint or a folder without `.metadata` (never
 loaded, removed by retention later). Each manifest records how many ranks wrote one, so a complete checkpoint
-missing one is damaged (components/checksums.missing_manifests).
+missing one is damaged (checksums.missing_manifests).
 
 A background write in torch's checkpoint process outlives its job when the job is killed; it checks that the
 job that asked for it is still there before writing and before `.metadata`, so that it never completes a
@@ -35,11 +35,10 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from mhar_titan.components import save_hold
-from mhar_titan.components.checksums import Entry, file_entries, without_torch_crc32, write_manifest
-from mhar_titan.components.dcp_io import PinnedStaging, StreamingFileSystemWriter
-
-METADATA = ".metadata"  # DCP's name (torch/distributed/checkpoint/filesystem.py, _metadata_fn)
+from mhar_titan.components.checkpoint import testing
+from mhar_titan.components.checkpoint.checksums import Entry, file_entries, without_torch_crc32, write_manifest
+from mhar_titan.components.checkpoint.dcp_io import PinnedStaging, StreamingFileSystemWriter
+from mhar_titan.components.checkpoint.layout import COMPLETE
 
 
 class SealedWrites:
@@ -58,7 +57,7 @@ class SealedWrites:
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self._check_owner("writing")
-        save_hold.before_write(os.fspath(self.path), self.owner)  # a test's hold; nothing otherwise
+        testing.before_write(os.fspath(self.path), self.owner)  # a test's hold; nothing otherwise
         with without_torch_crc32():  # our checksums cover every byte (checksums.without_torch_crc32)
             done = super().write_data(plan, planner)
         results = done.wait()
@@ -86,7 +85,7 @@ class SealedWrites:
     def _seal(self, metadata_tmp: str, ranks: int) -> None:
         step_dir = os.fspath(self.path)
         entry = file_entries(step_dir, [os.path.basename(os.fspath(metadata_tmp))])
-        write_manifest(step_dir, 0, {METADATA: next(iter(entry.values())), **self.rank_files}, ranks=ranks)
+        write_manifest(step_dir, 0, {COMPLETE: next(iter(entry.values())), **self.rank_files}, ranks=ranks)
 
     def _check_owner(self, doing: str) -> None:
         """In torch's checkpoint process: refuse to go on once the training process is gone (killed)."""
@@ -107,7 +106,7 @@ class _SealBeforeRename:
         return getattr(self._fs, name)
 
     def rename(self, path: Any, new_path: Any) -> None:
-        if os.path.basename(os.fspath(new_path)) == METADATA:
+        if os.path.basename(os.fspath(new_path)) == COMPLETE:
             self._before(os.fspath(path))
         self._fs.rename(path, new_path)
 

@@ -1,0 +1,156 @@
+"""Test-only seams of the checkpoints, each set by an environment variable that tests (and benchmarks) set; no config
+key or command-line flag reaches them, and with the variables unset nothing here does anything.
+
+- MHAR_TEST_HOLD_SAVE=<step>: a preemption that arrives while a background checkpoint is still being written, made
+  deterministic. The job that launches the background save of step <step> sends itself SIGTERM (as a scheduler
+  would, components/preemption.py) right after launching it, and that save's writer, on every rank, holds before
+  writing any file until its job announces that it waits for the save (the stop's checkpoint,
+  CPTCheckpointManager._async_wait). So the stop is agreed at the next step, the save is still in flight when the
+  job reaches its stop, and the test sees what the job does then.
+- MHAR_TEST_RESUME_FAULT=<fault>: faults in a resume, so that the checks which must catch a broken resume (the
+  preflight's stage d) can be shown to catch it: the data one batch off, the optimizer moments lost, the LR schedule
+  restarted, the EMA restarted from the loaded weights. Tests and benchmarks/resume_spread.py set it.
+- MHAR_TEST_FAIL_UPLOAD=<step>:<rank>: that rank's upload of that step to the store fails (remote.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from torchtitan.tools.logging import logger
+
+from mhar_titan.components.checkpoint.layout import step_folder
+from mhar_titan.components.ema import STATE as EMA_STATE
+from mhar_titan.components.hooks import Hook
+
+HOLD_SAVE_ENV = "MHAR_TEST_HOLD_SAVE"
+HOLD_TIMEOUT_S = 300.0  # a hold nobody releases fails the save instead of hanging the job
+_POLL_S = 0.01
+RESUME_FAULT_ENV = "MHAR_TEST_RESUME_FAULT"
+FAULTS = {
+    "data": "the data position one batch ahead",
+    "moments": "the AdamW moments zeroed (not restored)",
+    "lr": "the LR schedule restarted from step 0",
+    "ema": "the EMA restarted from the loaded weights",
+}
+FAIL_UPLOAD_ENV = "MHAR_TEST_FAIL_UPLOAD"  # `STEP:RANK` makes that rank's upload of that step fail
+
+
+# -- MHAR_TEST_HOLD_SAVE ---------------------------------------------------------------------------------------------
+
+
+def held_step() -> int | None:
+    """The step whose background save is held, or None."""
+    value = os.environ.get(HOLD_SAVE_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{HOLD_SAVE_ENV}={value!r}: a step number")
+    return int(value)
+
+
+def _held(checkpoint_id: str) -> bool:
+    step = held_step()
+    return step is not None and os.path.basename(os.path.normpath(checkpoint_id)) == step_folder(step)
+
+
+def _flag(checkpoint_id: str, owner: int) -> str:
+    """Beside the step folder (retention and the loaders match `step-N` exactly, never this)."""
+    return f"{os.path.normpath(checkpoint_id)}.waiting-{owner}"
+
+
+def after_launch(checkpoint_id: str) -> None:
+    """In the training process, once the background save of `checkpoint_id` is launched: the preemption."""
+    if _held(checkpoint_id):
+        logger.warning(f"TEST HOLD ({HOLD_SAVE_ENV}): SIGTERM while {checkpoint_id} is written in the background")
+        signal.raise_signal(signal.SIGTERM)
+
+
+def announce(checkpoint_id: str | None) -> None:
+    """In the training process, before it waits for the background save of `checkpoint_id`: the hold ends."""
+    if checkpoint_id is not None and _held(checkpoint_id):
+        with open(_flag(checkpoint_id, os.getpid()), "w"):
+            pass
+
+
+def release(checkpoint_id: str | None) -> None:
+    """After the wait: the flag goes."""
+    if checkpoint_id is not None and _held(checkpoint_id):
+        try:
+            os.remove(_flag(checkpoint_id, os.getpid()))
+        except FileNotFoundError:
+            pass
+
+
+def before_write(checkpoint_id: str, owner: int) -> None:
+    """In the writer (a thread of the training process, or torch's checkpoint process), before any file: hold
+    until the training process `owner` announces that it waits."""
+    if not _held(checkpoint_id):
+        return
+    flag, deadline = _flag(checkpoint_id, owner), time.monotonic() + HOLD_TIMEOUT_S
+    while not os.path.exists(flag):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"TEST HOLD ({HOLD_SAVE_ENV}): {flag} did not appear within {HOLD_TIMEOUT_S:.0f} s")
+        time.sleep(_POLL_S)
+    logger.warning(f"TEST HOLD ({HOLD_SAVE_ENV}): {checkpoint_id} released, writing")
+
+
+# -- MHAR_TEST_RESUME_FAULT ------------------------------------------------------------------------------------------
+
+
+def resume_fault() -> str | None:
+    """The fault the environment asks for, or None; an unknown name is an error naming the known ones."""
+    fault = os.environ.get(RESUME_FAULT_ENV, "").strip()
+    if fault and fault not in FAULTS:
+        raise ValueError(f"{RESUME_FAULT_ENV}={fault!r}: one of {', '.join(FAULTS)}")
+    return fault or None
+
+
+class ResumeFault(Hook):
+    """The named fault, broken in at the start of a resumed job after every other hook has started
+    (train_spec.build_hooks adds it last, and only where the variable names a fault); the log says so."""
+
+    name = "resume_fault"
+
+    def __init__(self, fault: str):
+        self.fault = fault
+
+    def set_up(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def start(self, step: int) -> None:
+        trainer, fault = self.trainer, self.fault
+        if step == 0:
+            return
+        if fault == "data":
+            next(trainer.data_iterator)
+        elif fault == "moments":
+            for opt in trainer.optimizers.optimizers:
+                for state in opt.state.values():
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        if key in state:
+                            state[key].zero_()
+        elif fault == "lr":
+            for scheduler in trainer.lr_schedulers.schedulers:
+                scheduler.last_epoch = 0
+                for i, group in enumerate(scheduler.optimizer.param_groups):
+                    group["lr"] = scheduler.base_lrs[i] * scheduler.lr_lambdas[i](0)
+                scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+        elif (
+            ema := trainer.checkpointer.states.get(EMA_STATE)
+        ) is not None:  # as if the checkpoint had not restored it
+            ema.ready = False
+            ema.start()
+        logger.warning(f"TEST FAULT ({RESUME_FAULT_ENV}): {FAULTS[fault]} at the resume from step {step}")
+
+
+# -- MHAR_TEST_FAIL_UPLOAD -------------------------------------------------------------------------------------------
+
+
+def fail_upload(step: int, rank: int) -> None:
+    """In an upload to the store (remote.py), before anything is put: the store's refusal, where a test asks."""
+    if os.environ.get(FAIL_UPLOAD_ENV, "") == f"{step}:{rank}":
+        raise OSError(f"the store refused the upload ({FAIL_UPLOAD_ENV}, a test)")
