@@ -215,7 +215,7 @@ class CPTTrainer(Trainer):
 
     def state_dict(self) -> dict:
         # ntokens_seen: all ranks' tokens (torchtitan keeps one rank's), so it survives a change of rank count.
-        return {"step": self.step, "ntokens_seen": self.tokens_seen, **self.hooks.state_dict()}
+        return self.hooks.state_dict({"step": self.step, "ntokens_seen": self.tokens_seen})
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)

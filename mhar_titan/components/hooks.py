@@ -25,7 +25,7 @@ decisions taken from the read-back values (agreed by their reduction) are the sa
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -167,10 +167,11 @@ class Hooks:
         if len(set(names)) != len(names):
             raise ValueError(f"hooks {names}: each needs a name of its own")
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Hook]:
         return iter(self.hooks)
 
     def each(self, phase: str, *args: Any) -> None:
+        """One phase of every hook, in order."""
         for hook in self.hooks:
             getattr(hook, phase)(*args)
 
@@ -181,21 +182,21 @@ class Hooks:
             hook.set_up(trainer)
             trainer.checkpointer.states.update(hook.checkpointed())
 
-    def scalars(self, step: Step, named: dict[str, Scalar]) -> dict[str, Scalar]:
-        """`named` (the trainer's own values) and every hook's, each name given once."""
-        out = dict(named)
+    def _merged(self, what: str, out: dict[str, Any], phase: Callable[[Hook], dict[str, Any]]) -> dict[str, Any]:
+        """Every hook's entries added to `out`; a name two give is an error naming both (never one overwritten)."""
         for hook in self.hooks:
-            for name, scalar in hook.scalars(step).items():
+            for name, value in phase(hook).items():
                 if name in out:
-                    raise ValueError(f"hook {hook.name!r}: the step value {name!r} is already given")
-                out[name] = scalar
+                    raise ValueError(f"hook {hook.name!r}: the {what} {name!r} is already given by another")
+                out[name] = value
         return out
 
+    def scalars(self, step: Step, named: dict[str, Scalar]) -> dict[str, Scalar]:
+        """`named` (the trainer's own values) and every hook's."""
+        return self._merged("step value", dict(named), lambda hook: hook.scalars(step))
+
     def metrics(self, step: Step) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for hook in self.hooks:
-            out.update(hook.metrics(step))
-        return out
+        return self._merged("TensorBoard scalar", {}, lambda hook: hook.metrics(step))
 
     def line(self, step: Step, metrics: dict[str, float]) -> str:
         return "  ".join(part for part in (hook.line(step, metrics) for hook in self.hooks) if part)
@@ -203,11 +204,9 @@ class Hooks:
     def request(self, step: Step) -> list[Request]:
         return [r for r in (hook.request(step) for hook in self.hooks) if r is not None]
 
-    def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for hook in self.hooks:
-            out.update(hook.state_dict())
-        return out
+    def state_dict(self, own: dict[str, Any]) -> dict[str, Any]:
+        """`own` (the trainer's entries) and every hook's."""
+        return self._merged("checkpointed entry", dict(own), lambda hook: hook.state_dict())
 
     def close(self) -> None:
         """Every hook's close, the last hook first (the run lock, taken first, is released last); the first failure
