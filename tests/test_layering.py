@@ -13,11 +13,27 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("mhar_titan", "kernels", "data", "benchmarks")
 MAX_LINES = 450
 # Model code (torchtitan's models/llama3/model): parallelize.py is the model's infrastructure, apart.
-MODEL_CODE = ("mhar_titan.model.args", "mhar_titan.model.hf_config", "mhar_titan.model.model",
-              "mhar_titan.model.state_dict_adapter")  # fmt: skip
-INFRASTRUCTURE = ("mhar_titan.components", "mhar_titan.hf", "mhar_titan.compare", "mhar_titan.eval",
-                  "mhar_titan.trainer", "mhar_titan.train_spec", "mhar_titan.config", "mhar_titan.cpu", "data",
-                  "benchmarks", "torchtitan.train", "torchtitan.components", "torch.distributed")  # fmt: skip
+MODEL_CODE = (
+    "mhar_titan.model.args",
+    "mhar_titan.model.hf_config",
+    "mhar_titan.model.model",
+    "mhar_titan.model.state_dict_adapter",
+)
+INFRASTRUCTURE = (
+    "mhar_titan.components",
+    "mhar_titan.hf",
+    "mhar_titan.compare",
+    "mhar_titan.eval",
+    "mhar_titan.trainer",
+    "mhar_titan.train_spec",
+    "mhar_titan.config",
+    "mhar_titan.cpu",
+    "data",
+    "benchmarks",
+    "torchtitan.train",
+    "torchtitan.components",
+    "torch.distributed",
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -60,8 +76,9 @@ def test_kernels_load_nothing_of_the_project_or_torchtitan():
 
 def test_the_comparison_cli_loads_no_triton_and_no_trainer():
     loaded = _loaded_after("import mhar_titan.compare.__main__")
-    assert not [m for m in loaded if m.split(".")[0] in ("triton", "kernels") or m in ("mhar_titan.trainer",
-                                                                                    "torchtitan.train")]  # fmt: skip
+    assert not [
+        m for m in loaded if m.split(".")[0] in ("triton", "kernels") or m in ("mhar_titan.trainer", "torchtitan.train")
+    ]
 
 
 def test_importing_the_package_registers_nothing():
@@ -102,9 +119,14 @@ def test_no_import_cycles_anywhere():
 MAY_IMPORT = {
     "data": ("data", "kernels"),
     "mhar_titan.model": ("mhar_titan.model", "kernels"),
-    "mhar_titan.components": ("mhar_titan.components", "mhar_titan.model", "mhar_titan.titan_compat", "data",
-                              "kernels"),
-}  # fmt: skip
+    "mhar_titan.components": (
+        "mhar_titan.components",
+        "mhar_titan.model",
+        "mhar_titan.titan_compat",
+        "data",
+        "kernels",
+    ),
+}
 
 
 def test_no_import_runs_back_up_the_layers():
@@ -113,8 +135,11 @@ def test_no_import_runs_back_up_the_layers():
     for layer, allowed in MAY_IMPORT.items():
         for name, path in known.items():
             if name == layer or name.startswith(layer + "."):
-                bad = [m for m in sorted(_imports(name, path, known)) if m != "mhar_titan" and not any(
-                    m == a or m.startswith(a + ".") for a in allowed)]  # fmt: skip
+                bad = [
+                    m
+                    for m in sorted(_imports(name, path, known))
+                    if m != "mhar_titan" and not any(m == a or m.startswith(a + ".") for a in allowed)
+                ]
                 upward += [f"{name} imports {m}" for m in bad]
     assert not upward, upward
 
@@ -139,8 +164,10 @@ TOOLS = ("mhar_titan.eval", "mhar_titan.hf", "mhar_titan.preflight", "mhar_titan
 # verified, or a test step's written) and the threaded DCP reader (hf export reads a step with it).
 TOOLS_MAY_USE = (f"{CHECKPOINT}.layout", f"{CHECKPOINT}.checksums", f"{CHECKPOINT}.dcp_io")
 # Benchmarks that drive a module of the package itself: the store's copy, the resume faults' names.
-BENCHMARKS_DRIVE = {"benchmarks.bench_checkpoint_s3": f"{CHECKPOINT}.remote",
-                    "benchmarks.resume_spread": f"{CHECKPOINT}.testing"}  # fmt: skip
+BENCHMARKS_DRIVE = {
+    "benchmarks.bench_checkpoint_s3": f"{CHECKPOINT}.remote",
+    "benchmarks.resume_spread": f"{CHECKPOINT}.testing",
+}
 
 
 def test_the_checkpoint_layout_loads_no_torch_and_no_torchtitan():
@@ -156,8 +183,11 @@ def test_the_tools_use_the_checkpoint_layout_not_the_manager():
     for name, path in known.items():
         if any(name == tool or name.startswith(tool + ".") for tool in TOOLS):
             allowed = (CHECKPOINT, *TOOLS_MAY_USE, BENCHMARKS_DRIVE.get(name))
-            used += [f"{name} imports {m}" for m in sorted(_imports(name, path, known))
-                     if m.startswith(CHECKPOINT + ".") and m not in allowed]  # fmt: skip
+            used += [
+                f"{name} imports {m}"
+                for m in sorted(_imports(name, path, known))
+                if m.startswith(CHECKPOINT + ".") and m not in allowed
+            ]
     assert not used, used
     loaded = _loaded_after("; ".join(f"import {m}" for m in TOOLS_MAY_USE))
     assert not [m for m in loaded if m.split(".")[0] == "torchtitan" or m == f"{CHECKPOINT}.manager"]
