@@ -48,18 +48,9 @@ from mhar_titan.components.tensorboard_scalars import read_scalars
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("disabled", "async", "async_with_pinned_mem")
 GPU = [
-    "--model.flavor",
-    "marin8b_8l",
-    "--training.seq_len",
-    "4096",
-    "--training.local_batch_size",
-    "2",
-    "--training.mixed_precision_param",
-    "bfloat16",
-    "--optimizer.implementation",
-    "fused",
-    "--activation_checkpoint.mode",
-    "full",
+    *("--model.flavor", "marin8b_8l", "--training.seq_len", "4096", "--training.local_batch_size", "2"),
+    *("--training.mixed_precision_param", "bfloat16", "--optimizer.implementation", "fused"),
+    *("--activation_checkpoint.mode", "full"),
 ]
 SMOKE = ["--model.flavor", "tiny", "--training.seq_len", "128", "--training.local_batch_size", "2"]
 WAITED = re.compile(r"waited ([0-9.]+) s for the background save of \S*step-(\d+)")
@@ -71,33 +62,13 @@ def mode_command(
 ) -> list[str]:
     """The job of one mode: train_cpt.py on one rank, saving every `interval` steps into `folder`."""
     args = [
-        "--job.config_file",
-        str(REPO / "configs" / "tiny_cpu.toml"),
-        "--job.dump_folder",
-        str(run),
-        "--training.steps",
-        str(steps),
-        "--lr_scheduler.warmup_steps",
-        "2",
-        "--lr_scheduler.total_steps",
-        str(steps),
-        "--metrics.log_freq",
-        "1",
-        "--validation.no-enable",
-        "--ema.no-enable",
-        "--spikes.no-enable",
-        "--checkpoint.enable",
-        "--checkpoint.folder",
-        str(folder),
-        "--checkpoint.interval",
-        str(interval),
-        "--checkpoint.keep_latest_k",
-        "2",
-        "--checkpoint.async_mode",
-        mode,
-        "--checkpoint.last_save_model_only",
-        "--checkpoint.export_dtype",
-        "bfloat16",
+        *("--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--job.dump_folder", str(run)),
+        *("--training.steps", str(steps), "--lr_scheduler.warmup_steps", "2"),
+        *("--lr_scheduler.total_steps", str(steps), "--metrics.log_freq", "1"),
+        *("--validation.no-enable", "--ema.no-enable", "--spikes.no-enable"),
+        *("--checkpoint.enable", "--checkpoint.folder", str(folder), "--checkpoint.interval", str(interval)),
+        *("--checkpoint.keep_latest_k", "2", "--checkpoint.async_mode", mode, "--checkpoint.last_save_model_only"),
+        *("--checkpoint.export_dtype", "bfloat16"),
         *(SMOKE if smoke else GPU),
         *(["--compile.enable", "--compile.components", "model,loss"] if compile_ else ["--compile.no-enable"]),
     ]

@@ -71,21 +71,10 @@ FLAVOR = "marin8b_16l"
 DEPTHS = {16: "marin8b_16l", 8: "marin8b_8l"}  # the cuts of the 8B the bench runs, deepest first
 MARGIN = 0.1  # the memory plan's default margin
 GPU = [
-    "--training.seq_len",
-    "4096",
-    "--training.local_batch_size",
-    "2",
-    "--training.mixed_precision_param",
-    "bfloat16",
-    "--optimizer.implementation",
-    "fused",
-    "--compile.enable",
-    "--compile.components",
-    "model,loss",
-    "--ema.beta",
-    "0.999",
-    "--ema.every",
-    "10",  # as in configs/marin8b_*.toml
+    *("--training.seq_len", "4096", "--training.local_batch_size", "2"),
+    *("--training.mixed_precision_param", "bfloat16", "--optimizer.implementation", "fused"),
+    *("--compile.enable", "--compile.components", "model,loss"),
+    *("--ema.beta", "0.999", "--ema.every", "10"),  # as in configs/marin8b_*.toml
 ]
 TOKENS = 4096 * 2  # a device's tokens a step at GPU's seq_len and local_batch_size
 SMOKE_TAGS = ("tokens_per_s", "mfu", "peak_active_gib")  # on a CPU there are no phase memory figures
@@ -93,12 +82,8 @@ SMOKE = ["--model.flavor", "tiny", "--training.seq_len", "128", "--training.loca
 NUM_BLOCKS = {False: 8, True: 2}  # keyed by smoke: the tiny flavor has 4 layers
 # torchtitan's float8 converter (torchao), every linear layer but the output: --float8 adds it to every arm
 FLOAT8 = [
-    "--model.converters",
-    "quantize.linear.float8",
-    "--quantize.linear.float8.recipe_name",
-    "rowwise",
-    "--quantize.linear.float8.filter_fqns",
-    "output",
+    *("--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise"),
+    *("--quantize.linear.float8.filter_fqns", "output"),
 ]
 MASKS = ("causal", "block_causal")
 AC_MODES = {
@@ -121,22 +106,10 @@ def arm_command(
     extra: tuple[str, ...] = (),
 ) -> list[str]:
     common = [
-        "--job.config_file",
-        str(REPO / "configs" / "tiny_cpu.toml"),
-        "--job.dump_folder",
-        str(run),
-        "--job.custom_config_module",
-        "mhar_titan.config",
-        "--training.steps",
-        str(steps),
-        "--lr_scheduler.warmup_steps",
-        "2",
-        "--lr_scheduler.total_steps",
-        str(steps),
-        "--metrics.log_freq",
-        "1",
-        "--checkpoint.no-enable",
-        "--validation.no-enable",
+        *("--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--job.dump_folder", str(run)),
+        *("--job.custom_config_module", "mhar_titan.config", "--training.steps", str(steps)),
+        *("--lr_scheduler.warmup_steps", "2", "--lr_scheduler.total_steps", str(steps), "--metrics.log_freq", "1"),
+        *("--checkpoint.no-enable", "--validation.no-enable"),
         *AC_MODES[ac],
     ]
     geometry = SMOKE if smoke else ["--model.flavor", flavor, *GPU]
@@ -146,13 +119,8 @@ def arm_command(
     if profile:  # trace the last step, after one profiler warm-up step
         geometry = [
             *geometry,
-            "--profiling.enable_profiling",
-            "--profiling.profile_freq",
-            str(steps),
-            "--profiling.profiler_warmup",
-            "1",
-            "--profiling.profiler_active",
-            "1",
+            *("--profiling.enable_profiling", "--profiling.profile_freq", str(steps)),
+            *("--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1"),
         ]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     return [*launcher, *ARMS[arm], *common, *geometry, *extra]
@@ -208,13 +176,9 @@ def fitting_flavor(
     memory plan (mhar_titan.plan, its default margin), so that every arm and mode runs at one depth; and a line
     saying which and why. An error where not even the shallowest fits."""
     args = [
-        "--job.config_file",
-        str(REPO / "configs" / "tiny_cpu.toml"),
-        "--model.flavor",
-        FLAVOR,
+        *("--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--model.flavor", FLAVOR),
         *GPU,
-        "--mhar.num_blocks",
-        str(num_blocks or NUM_BLOCKS[False]),
+        *("--mhar.num_blocks", str(num_blocks or NUM_BLOCKS[False])),
         *(FLOAT8 if float8 else []),
     ]
     with plan.quiet():

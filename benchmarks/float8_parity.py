@@ -52,21 +52,14 @@ ARMS = ("control", "mhar")
 PRECISIONS = ("bf16", "float8")
 AGAIN = "bf16-again"  # --repeat-bf16: each arm's bf16 job once more
 FLOAT8 = [
-    "--model.converters",
-    "quantize.linear.float8",
-    "--quantize.linear.float8.recipe_name",
-    "rowwise",
-    "--quantize.linear.float8.filter_fqns",
-    "output",
+    *("--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise"),
+    *("--quantize.linear.float8.filter_fqns", "output"),
 ]
 # Without a GPU of compute capability 8.9 or more, torchtitan converts only to torchao's emulation (the
 # tensorwise recipe, no compiled model): the CPU tests run the benchmark that way.
 EMULATED = [
-    "--model.converters",
-    "quantize.linear.float8",
-    "--quantize.linear.float8.emulate",
-    "--quantize.linear.float8.filter_fqns",
-    "output",
+    *("--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate"),
+    *("--quantize.linear.float8.filter_fqns", "output"),
 ]
 MEMORY_TAG = "memory/peak_active_gib_max"
 RUN_FILE = "float8_parity_run.json"  # how `run` ran the jobs
@@ -85,28 +78,12 @@ def job(root: Path, arm: str, precision: str, args: argparse.Namespace, extra: l
     local = cfg.training.local_batch_size
     float8 = EMULATED if args.emulate else FLOAT8
     cmd = [
-        str(REPO / "launch" / "torchrun.sh"),
-        "--nproc",
-        str(nproc),
-        "--launch-id",
-        f"float8-{arm}-{precision}",
-        config,
-        "--job.dump_folder",
-        str(root / f"{arm}-{precision}"),
-        "--model.flavor",
-        "hf",
-        "--model.hf_assets_path",
-        args.base,
-        "--checkpoint.initial_load_in_hf",
-        "--checkpoint.load_only",
-        "--training.steps",
-        str(args.steps),
-        "--training.global_batch_size",
-        str(local * nproc),
-        "--validation.no-enable",
-        "--metrics.log_freq",
-        "1",
-        "--metrics.enable_tensorboard",
+        *(str(REPO / "launch" / "torchrun.sh"), "--nproc", str(nproc), "--launch-id", f"float8-{arm}-{precision}"),
+        *(config, "--job.dump_folder", str(root / f"{arm}-{precision}")),
+        *("--model.flavor", "hf", "--model.hf_assets_path", args.base),
+        *("--checkpoint.initial_load_in_hf", "--checkpoint.load_only"),
+        *("--training.steps", str(args.steps), "--training.global_batch_size", str(local * nproc)),
+        *("--validation.no-enable", "--metrics.log_freq", "1", "--metrics.enable_tensorboard"),
     ]
     return cmd + (float8 if precision == "float8" else []) + extra  # bf16-again: the bf16 job's command
 

@@ -97,18 +97,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 def _probe(out: Path, nproc: int, cuda: bool, geometry: dict[str, int]) -> list[Stage]:
     began = time.monotonic()
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        str(nproc),
-        "-m",
-        "mhar_titan.preflight.probe",
-        "--out",
-        str(out),
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1"),
+        *("--nproc-per-node", str(nproc), "-m", "mhar_titan.preflight.probe", "--out", str(out)),
     ]
     for key, value in geometry.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
@@ -281,32 +271,14 @@ class Preflight:
         val_steps = "4" if self.cuda else "2"
         return [
             *self.overrides,
-            "--model.flavor",
-            "hf",
-            "--model.hf_assets_path",
-            base,
-            "--checkpoint.initial_load_in_hf",
-            "--training.steps",
-            str(s.steps),
-            "--training.global_batch_size",
-            str(t.local_batch_size * s.nproc),
-            "--checkpoint.enable",
-            "--checkpoint.folder",
-            FOLDER,
-            "--checkpoint.interval",
-            str(s.checkpoint_at),
-            "--checkpoint.keep_latest_k",
-            "2",
-            "--checkpoint.keep_every",
-            "0",
-            "--metrics.log_freq",
-            "1",
-            "--metrics.enable_tensorboard",
-            "--validation.enable",
-            "--validation.freq",
-            str(math.gcd(s.kill_after, s.steps)),
-            "--validation.steps",
-            val_steps,
+            *("--model.flavor", "hf", "--model.hf_assets_path", base, "--checkpoint.initial_load_in_hf"),
+            *("--training.steps", str(s.steps), "--training.global_batch_size", str(t.local_batch_size * s.nproc)),
+            *("--checkpoint.enable", "--checkpoint.folder", FOLDER),
+            *("--checkpoint.interval", str(s.checkpoint_at), "--checkpoint.keep_latest_k", "2"),
+            *("--checkpoint.keep_every", "0"),
+            *("--metrics.log_freq", "1", "--metrics.enable_tensorboard"),
+            *("--validation.enable", "--validation.freq", str(math.gcd(s.kill_after, s.steps))),
+            *("--validation.steps", val_steps),
             "--validation.at_start",
             *moved_stages(self.cfgs["control"], s)[0],
         ]
@@ -413,19 +385,9 @@ class Preflight:
         if "h" in self.wanted and stage.ok:
             dtype = "bf16" if self.cuda else "fp32"
             cmd = [
-                sys.executable,
-                "-m",
-                "mhar_titan.preflight.evaluate",
-                str(s.pair),
-                str(exports),
-                "--step",
-                str(s.steps),
-                "--tasks",
-                self.args.tasks,
-                "--device",
-                device,
-                "--dtype",
-                dtype,
+                *(sys.executable, "-m", "mhar_titan.preflight.evaluate", str(s.pair), str(exports)),
+                *("--step", str(s.steps), "--tasks", self.args.tasks),
+                *("--device", device, "--dtype", dtype),
             ]
             if self.args.limit:
                 cmd += ["--limit", str(self.args.limit)]
