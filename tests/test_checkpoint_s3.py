@@ -19,17 +19,8 @@ from mhar_titan.components.tensorboard_scalars import read_scalars
 from mhar_titan.hf.run import load_run_checkpoint
 
 ARGS = (
-    "--training.steps",
-    "7",
-    "--checkpoint.interval",
-    "2",
-    "--checkpoint.keep_latest_k",
-    "2",
-    "--validation.no-enable",
-    "--lr_scheduler.total_steps",
-    "12",
-    "--lr_scheduler.warmup_steps",
-    "2",
+    *("--training.steps", "7", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2"),
+    *("--validation.no-enable", "--lr_scheduler.total_steps", "12", "--lr_scheduler.warmup_steps", "2"),
 )
 
 

@@ -186,12 +186,8 @@ def test_a_run_folder_without_its_fingerprint_needs_allow_changes_legacy(base, t
 
 def launch(run: Path, *args: str, nproc: int = 2) -> subprocess.Popen:
     cmd = [
-        str(REPO / "launch" / "torchrun.sh"),
-        "--nproc",
-        str(nproc),
-        "configs/tiny_cpu.toml",
-        "--job.dump_folder",
-        str(run),
+        *(str(REPO / "launch" / "torchrun.sh"), "--nproc", str(nproc)),
+        *("configs/tiny_cpu.toml", "--job.dump_folder", str(run)),
     ]
     env = {**os.environ, "PYTHON": sys.executable, **ENV}
     return subprocess.Popen(

@@ -379,11 +379,8 @@ def test_arms_that_recorded_other_settings_are_reported(tmp_path, capsys):
     plain = parse_config(["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml")])
     f8 = parse_config(
         [
-            "--job.config_file",
-            str(REPO / "configs" / "tiny_cpu.toml"),
-            "--model.converters",
-            "quantize.linear.float8",
-            "--quantize.linear.float8.emulate",
+            *("--job.config_file", str(REPO / "configs" / "tiny_cpu.toml")),
+            *("--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate"),
         ]
     )
     for arm in ("control", "mhar"):

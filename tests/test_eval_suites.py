@@ -114,14 +114,8 @@ def test_offline_without_the_datasets_the_suite_names_each_missing_one_before_an
     env |= {"HF_HOME": str(hf), "HF_DATASETS_CACHE": str(hf / "datasets")}
     before = sorted(bare_pair.rglob("*"))
     cmd = [
-        sys.executable,
-        "-m",
-        "mhar_titan.eval",
-        str(bare_pair),
-        "--watch",
-        "--suite",
-        "paper",
-        "--confirm-run-unsafe-code",
+        *(sys.executable, "-m", "mhar_titan.eval", str(bare_pair)),
+        *("--watch", "--suite", "paper", "--confirm-run-unsafe-code"),
     ]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]

@@ -58,19 +58,8 @@ def expected(steps_: list[int], weights=("raw", "ema")) -> list[str]:
 
 def start(pair: Path, log: Path) -> subprocess.Popen:
     cmd = [
-        sys.executable,
-        "-m",
-        "mhar_titan.eval",
-        str(pair),
-        "--watch",
-        "--tasks",
-        TASK,
-        "--limit",
-        "4",
-        "--poll",
-        "0.3",
-        "--settle",
-        "0",
+        *(sys.executable, "-m", "mhar_titan.eval", str(pair), "--watch"),
+        *("--tasks", TASK, "--limit", "4", "--poll", "0.3", "--settle", "0"),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)

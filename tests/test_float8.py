@@ -24,12 +24,8 @@ from mhar_titan.hf.export import init_hf
 from mhar_titan.plan import estimate, geometry
 
 FLOAT8 = [
-    "--model.converters",
-    "quantize.linear.float8",
-    "--quantize.linear.float8.recipe_name",
-    "rowwise",
-    "--quantize.linear.float8.filter_fqns",
-    "output",
+    *("--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise"),
+    *("--quantize.linear.float8.filter_fqns", "output"),
 ]
 TINY = str(REPO / "configs" / "tiny_cpu.toml")
 
@@ -42,25 +38,9 @@ def parity(tmp_path_factory):
     init_hf(str(base), "tiny", tokenizer_dir=str(REPO / "assets" / "tiny"), seed=3)
     root = tmp / "parity"
     cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks.float8_parity",
-        "run",
-        str(root),
-        "--base",
-        str(base),
-        "--steps",
-        "8",
-        "--emulate",
-        "--control",
-        "configs/tiny_cpu.toml",
-        "--mhar",
-        "configs/tiny_cpu_mhar.toml",
-        "--parallel",
-        "2",
-        "--mhar.num_blocks",
-        "2",
-        "--compile.no-enable",
+        *(sys.executable, "-m", "benchmarks.float8_parity", "run", str(root), "--base", str(base), "--steps", "8"),
+        *("--emulate", "--control", "configs/tiny_cpu.toml", "--mhar", "configs/tiny_cpu_mhar.toml"),
+        *("--parallel", "2", "--mhar.num_blocks", "2", "--compile.no-enable"),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -478,20 +478,9 @@ def pair_dir(tmp_path):
 def test_eval_watch_dry_run_prints_the_watcher_on_the_gpu(pair_dir):
     out = run(WATCH, "--dry-run", str(pair_dir), "--suite", "paper", "--dtype", "fp32").stdout.split()
     assert out == [
-        sys.executable,
-        "-m",
-        "mhar_titan.eval",
-        str(pair_dir),
-        "--watch",
-        "--device",
-        "cuda",
-        "--dtype",
-        "bf16",
-        "--suite",
-        "paper",
-        "--dtype",
-        "fp32",
-    ]  # (the later --dtype wins)
+        *(sys.executable, "-m", "mhar_titan.eval", str(pair_dir), "--watch", "--device", "cuda", "--dtype", "bf16"),
+        *("--suite", "paper", "--dtype", "fp32"),  # (the later --dtype wins)
+    ]
     out = run(WATCH, "--dry-run", str(pair_dir), "--once", env={"EVAL_SCRATCH": "/local/scratch"}).stdout.split()
     assert out[3:] == [str(pair_dir), "--device", "cuda", "--dtype", "bf16", "--scratch", "/local/scratch", "--once"]
     header = [line.split()[1] for line in open(WATCH) if line.startswith("#SBATCH")]
@@ -525,16 +514,8 @@ def test_eval_watch_runs_the_watcher_and_passes_its_exit_code_on(pair_dir, tmp_p
     assert proc.returncode == 3
     argv = (tmp_path / "argv").read_text().split()
     assert argv == [
-        "-m",
-        "mhar_titan.eval",
-        str(pair_dir),
-        "--watch",
-        "--device",
-        "cuda",
-        "--dtype",
-        "bf16",
-        "--tasks",
-        "mhar_tiny_cloze",
+        *("-m", "mhar_titan.eval", str(pair_dir), "--watch", "--device", "cuda", "--dtype", "bf16"),
+        *("--tasks", "mhar_tiny_cloze"),
     ]
 
 

@@ -109,15 +109,8 @@ def test_host_memory_for_checkpoints_counts_each_mode_page_locked_and_while_writ
 
     main(
         [
-            str(REPO / "configs" / "marin8b_mhar.toml"),
-            "--gpus",
-            "8",
-            "--gpu-memory",
-            "80GiB",
-            "--model.flavor",
-            "marin8b",
-            "--checkpoint.async_mode",
-            "async",
+            *(str(REPO / "configs" / "marin8b_mhar.toml"), "--gpus", "8", "--gpu-memory", "80GiB"),
+            *("--model.flavor", "marin8b", "--checkpoint.async_mode", "async"),
         ]
     )
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("host memory"))

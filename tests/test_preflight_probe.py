@@ -32,21 +32,10 @@ GEOMETRY = ["--dim", "256", "--num-heads", "8", "--tokens", "32", "--sites", "4"
 
 def _launch(out, max_sources):
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "mhar_titan.preflight.probe",
-        "--out",
-        str(out),
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2"),
+        *("-m", "mhar_titan.preflight.probe", "--out", str(out)),
         *GEOMETRY,
-        "--max-sources",
-        str(max_sources),
+        *("--max-sources", str(max_sources)),
     ]
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     env.pop("MHAR_PREFLIGHT_PERTURB_KERNEL", None)

@@ -91,8 +91,7 @@ def test_a_forced_spike_is_said_recorded_and_the_checkpoint_before_it_kept(tmp_p
     one = ("--training.global_batch_size", "8")  # one rank, two microbatches (2 ranks: test_train_resume.py)
     proc = torchrun(
         run,
-        "--training.steps",
-        "10",
+        *("--training.steps", "10"),
         *settings,
         *keep,
         *one,

@@ -29,16 +29,8 @@ from mhar_titan.hf.run import load_run_checkpoint
 
 # A short schedule whose LR does not depend on how many steps each job runs; spikes scored from step 4.
 SCHEDULE = (
-    "--lr_scheduler.total_steps",
-    "8",
-    "--lr_scheduler.warmup_steps",
-    "2",
-    "--checkpoint.interval",
-    "4",
-    "--spikes.window",
-    "4",
-    "--spikes.min_history",
-    "3",
+    *("--lr_scheduler.total_steps", "8", "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "4"),
+    *("--spikes.window", "4", "--spikes.min_history", "3"),
 )
 SCHEDULE_EVERY_2 = (*SCHEDULE[:4], "--checkpoint.interval", "2", *SCHEDULE[6:])
 SPIKE_SCORES = ("spikes/loss_score", "spikes/grad_norm_score")

@@ -11,15 +11,9 @@ from mhar_titan.components.tensorboard_scalars import LOSS_TAG, load_scalars, re
 
 # tiny_cpu.toml's mixture (docstrings 0.7, code 0.3), then code-heavy from step 5 of 8
 STAGED = (
-    "--data.mixture_stages",
-    "5: docstrings=1 code=9",
-    "--lr_scheduler.total_steps",
-    "8",
-    "--lr_scheduler.warmup_steps",
-    "2",
-    "--checkpoint.interval",
-    "4",
-    "--validation.no-enable",
+    *("--data.mixture_stages", "5: docstrings=1 code=9"),
+    *("--lr_scheduler.total_steps", "8", "--lr_scheduler.warmup_steps", "2"),
+    *("--checkpoint.interval", "4", "--validation.no-enable"),
 )
 
 
