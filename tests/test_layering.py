@@ -1,5 +1,6 @@
 """The layout's rules, checked: which imports load what, no import cycles (function-local imports included),
-no long modules, model code free of infrastructure, a package import with no side effects."""
+model code free of infrastructure, a package import with no side effects, a docstring on every module. Size is
+guidance (docs/layout.md), not a test."""
 
 import ast
 import re
@@ -11,7 +12,6 @@ from kernels.triton import host, shared
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("mhar_titan", "kernels", "data", "benchmarks")
-MAX_LINES = 450
 # Model code (torchtitan's models/llama3/model): parallelize.py is the model's infrastructure, apart.
 MODEL_CODE = (
     "mhar_titan.model.args",
@@ -205,30 +205,9 @@ def test_model_code_imports_no_infrastructure():
             assert not bad, f"{name} imports {bad}"
 
 
-def test_modules_are_short_and_say_what_they_hold():
+def test_every_module_says_what_it_holds():
     for path in _modules().values():
-        lines = path.read_text().count("\n")
-        assert lines <= MAX_LINES, f"{path.relative_to(REPO)}: {lines} lines"
         assert ast.get_docstring(ast.parse(path.read_text())), f"{path.relative_to(REPO)}: no docstring"
-
-
-MAX_FUNCTION_LINES = 60  # outside the kernels, whose launch and tiling code is long by nature
-MAX_TRAINER_LINES = 300  # the trainer reads as its loop; its concerns live in components/
-
-
-def test_functions_are_short_and_the_trainer_reads_as_its_loop():
-    long = []
-    for name, path in _modules().items():
-        if name.startswith("kernels"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    long.append(f"{path.relative_to(REPO)}: {node.name}, {length} lines")
-    assert not long, long
-    trainer = (REPO / "mhar_titan" / "trainer.py").read_text().count("\n")
-    assert trainer <= MAX_TRAINER_LINES, f"mhar_titan/trainer.py: {trainer} lines"
 
 
 def test_one_atomic_write_one_check_of_a_writer_and_one_all_gather_of_python_objects():
