@@ -89,8 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"one rank's share: {gb:.1f} GB of fp32 in {len(state)} tensors on {args.device}, to {args.dir}")
     loads = [("torch's reader", lambda: dcp.FileSystemReader(args.dir))]
     loads += [(f"ours, {n} threads", lambda n=n: ParallelFileSystemReader(args.dir, n)) for n in readers]
-    print(f"{'save':24s} {'threads':>7s} {'save s':>7s} {'GB/s':>6s} {'x':>5s}  {'load':18s} {'load s':>7s} "
-          f"{'GB/s':>6s} {'x':>5s}")  # fmt: skip
+    print(
+        f"{'save':24s} {'threads':>7s} {'save s':>7s} {'GB/s':>6s} {'x':>5s}  {'load':18s} {'load s':>7s} "
+        f"{'GB/s':>6s} {'x':>5s}"
+    )
     first = None
     for name, threads, crc, writer in cases:
         shutil.rmtree(args.dir, ignore_errors=True)

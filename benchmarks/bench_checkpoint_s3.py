@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> None:
         want = digests(folder)
         s3_store.use_endpoint(endpoint)
         s3_store.client(endpoint).mkdir("ckpt")
-        print(f"one step folder, {size / 1e9:.2f} GB in {args.files} rank files, to moto's S3 server and back "
-              "(one process, s3fs's concurrency)")  # fmt: skip
+        print(
+            f"one step folder, {size / 1e9:.2f} GB in {args.files} rank files, to moto's S3 server and back "
+            "(one process, s3fs's concurrency)"
+        )
         print("| run | upload s | GB/s | copy down s | GB/s |")
         print("|---|---|---|---|---|")
         for i in range(args.repeat):

@@ -48,27 +48,30 @@ from mhar_titan.components.tensorboard_scalars import read_scalars
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("disabled", "async", "async_with_pinned_mem")
 GPU = [
-    "--model.flavor", "marin8b_8l", "--training.seq_len", "4096", "--training.local_batch_size", "2",
-    "--training.mixed_precision_param", "bfloat16", "--optimizer.implementation", "fused",
-    "--activation_checkpoint.mode", "full",
-]  # fmt: skip
+    *("--model.flavor", "marin8b_8l", "--training.seq_len", "4096", "--training.local_batch_size", "2"),
+    *("--training.mixed_precision_param", "bfloat16", "--optimizer.implementation", "fused"),
+    *("--activation_checkpoint.mode", "full"),
+]
 SMOKE = ["--model.flavor", "tiny", "--training.seq_len", "128", "--training.local_batch_size", "2"]
 WAITED = re.compile(r"waited ([0-9.]+) s for the background save of \S*step-(\d+)")
 GIB = 2**30
 
 
-def mode_command(mode: str, run: Path, folder: Path, steps: int, interval: int, smoke: bool, compile_: bool
-                 ) -> list[str]:  # fmt: skip
+def mode_command(
+    mode: str, run: Path, folder: Path, steps: int, interval: int, smoke: bool, compile_: bool
+) -> list[str]:
     """The job of one mode: train_cpt.py on one rank, saving every `interval` steps into `folder`."""
     args = [
-        "--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--job.dump_folder", str(run),
-        "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.total_steps",
-        str(steps), "--metrics.log_freq", "1", "--validation.no-enable", "--ema.no-enable", "--spikes.no-enable",
-        "--checkpoint.enable", "--checkpoint.folder", str(folder), "--checkpoint.interval", str(interval),
-        "--checkpoint.keep_latest_k", "2", "--checkpoint.async_mode", mode, "--checkpoint.last_save_model_only",
-        "--checkpoint.export_dtype", "bfloat16", *(SMOKE if smoke else GPU),
+        *("--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--job.dump_folder", str(run)),
+        *("--training.steps", str(steps), "--lr_scheduler.warmup_steps", "2"),
+        *("--lr_scheduler.total_steps", str(steps), "--metrics.log_freq", "1"),
+        *("--validation.no-enable", "--ema.no-enable", "--spikes.no-enable"),
+        *("--checkpoint.enable", "--checkpoint.folder", str(folder), "--checkpoint.interval", str(interval)),
+        *("--checkpoint.keep_latest_k", "2", "--checkpoint.async_mode", mode, "--checkpoint.last_save_model_only"),
+        *("--checkpoint.export_dtype", "bfloat16"),
+        *(SMOKE if smoke else GPU),
         *(["--compile.enable", "--compile.components", "model,loss"] if compile_ else ["--compile.no-enable"]),
-    ]  # fmt: skip
+    ]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
     return [*launcher, str(REPO / "train_cpt.py"), *args]
 
@@ -81,8 +84,11 @@ def stalls(step_s: dict[int, float], steps: int, interval: int) -> dict[str, obj
     if not clean:
         raise ValueError(f"no step after step 1 follows no save (steps {sorted(step_s)}, saves {saves})")
     median = statistics.median(clean)
-    return {"step_s": median, "stall_s": {s: step_s[s + 1] - median for s in saves if s + 1 in step_s},
-            "steps_s": dict(sorted(step_s.items()))}  # fmt: skip
+    return {
+        "step_s": median,
+        "stall_s": {s: step_s[s + 1] - median for s in saves if s + 1 in step_s},
+        "steps_s": dict(sorted(step_s.items())),
+    }
 
 
 def _status_kib(pid: int, field: str) -> int:
@@ -121,8 +127,9 @@ class PeakMemory:
         """{"trainer": the trainer's peak GiB, "other": its other processes' peaks, summed (GiB)}."""
         self.stop.set()
         self.thread.join()
-        trainer = [kib for kib, cmd in self.peaks.values() if "train_cpt.py" in cmd and "torch.distributed.run" not
-                   in cmd]  # fmt: skip
+        trainer = [
+            kib for kib, cmd in self.peaks.values() if "train_cpt.py" in cmd and "torch.distributed.run" not in cmd
+        ]
         other = [kib for kib, cmd in self.peaks.values() if "train_cpt.py" not in cmd]
         return {"trainer": max(trainer, default=0) * 1024 / GIB, "other": sum(other) * 1024 / GIB}
 
@@ -159,8 +166,10 @@ def run_mode(mode: str, out: Path, folder: Path, steps: int, interval: int, smok
         peaks = memory.finish()
     text = (out / f"{mode}.log").read_text()
     if rc != 0:
-        raise RuntimeError(f"[{mode}] exited {rc} (trainer peak {peaks['trainer']:.1f} GiB, other processes "
-                           f"{peaks['other']:.1f} GiB); log in {out / f'{mode}.log'}:\n{text[-3000:]}")  # fmt: skip
+        raise RuntimeError(
+            f"[{mode}] exited {rc} (trainer peak {peaks['trainer']:.1f} GiB, other processes "
+            f"{peaks['other']:.1f} GiB); log in {out / f'{mode}.log'}:\n{text[-3000:]}"
+        )
     result = {"mode": mode, **stalls(read_scalars(run, "time/step_s"), steps, interval), **peaks}
     result["waits_s"] = {int(step): float(s) for s, step in WAITED.findall(text)}
     result["checkpoints"] = check_checkpoints(folder, interval, steps)
@@ -172,13 +181,17 @@ def run_mode(mode: str, out: Path, folder: Path, steps: int, interval: int, smok
 def table(results: list[dict]) -> str:
     """The modes side by side: median step, each save's stall, peak memory and its extra over the first mode."""
     base = results[0]["trainer"]
-    lines = [f"{'mode':<24}{'step s':>8}  {'stall s per save (first, then)':<32}{'trainer GiB':>12}{'extra':>8}"
-             f"{'other GiB':>11}  waits s"]  # fmt: skip
+    lines = [
+        f"{'mode':<24}{'step s':>8}  {'stall s per save (first, then)':<32}{'trainer GiB':>12}{'extra':>8}"
+        f"{'other GiB':>11}  waits s"
+    ]
     for r in results:
         stall = ", ".join(f"{v:+.2f}" for _, v in sorted(r["stall_s"].items()))
         waits = ", ".join(f"{w:.1f} ({step_folder(s)})" for s, w in sorted(r["waits_s"].items())) or "-"
-        lines.append(f"{r['mode']:<24}{r['step_s']:>8.2f}  {stall:<32}{r['trainer']:>12.1f}"
-                     f"{r['trainer'] - base:>+8.1f}{r['other']:>11.1f}  {waits}")  # fmt: skip
+        lines.append(
+            f"{r['mode']:<24}{r['step_s']:>8.2f}  {stall:<32}{r['trainer']:>12.1f}"
+            f"{r['trainer'] - base:>+8.1f}{r['other']:>11.1f}  {waits}"
+        )
     return "\n".join(lines)
 
 
@@ -202,8 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     results, failed = [], []
     for mode in modes:  # a mode that fails is said, and the others still run
         try:
-            results.append(run_mode(mode, out, Path(args.dir) / mode, args.steps, args.interval, args.smoke,
-                                    args.compile))  # fmt: skip
+            results.append(
+                run_mode(mode, out, Path(args.dir) / mode, args.steps, args.interval, args.smoke, args.compile)
+            )
         except (RuntimeError, ValueError, OSError) as e:
             failed.append(f"{mode}: {e}")
             print(f"[{mode}] FAILED: {e}", flush=True)

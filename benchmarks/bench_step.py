@@ -71,20 +71,20 @@ FLAVOR = "marin8b_16l"
 DEPTHS = {16: "marin8b_16l", 8: "marin8b_8l"}  # the cuts of the 8B the bench runs, deepest first
 MARGIN = 0.1  # the memory plan's default margin
 GPU = [
-    "--training.seq_len", "4096", "--training.local_batch_size", "2",
-    "--training.mixed_precision_param", "bfloat16", "--optimizer.implementation", "fused",
-    "--compile.enable", "--compile.components", "model,loss",
-    "--ema.beta", "0.999", "--ema.every", "10",  # as in configs/marin8b_*.toml
-]  # fmt: skip
+    *("--training.seq_len", "4096", "--training.local_batch_size", "2"),
+    *("--training.mixed_precision_param", "bfloat16", "--optimizer.implementation", "fused"),
+    *("--compile.enable", "--compile.components", "model,loss"),
+    *("--ema.beta", "0.999", "--ema.every", "10"),  # as in configs/marin8b_*.toml
+]
 TOKENS = 4096 * 2  # a device's tokens a step at GPU's seq_len and local_batch_size
 SMOKE_TAGS = ("tokens_per_s", "mfu", "peak_active_gib")  # on a CPU there are no phase memory figures
 SMOKE = ["--model.flavor", "tiny", "--training.seq_len", "128", "--training.local_batch_size", "2"]
 NUM_BLOCKS = {False: 8, True: 2}  # keyed by smoke: the tiny flavor has 4 layers
 # torchtitan's float8 converter (torchao), every linear layer but the output: --float8 adds it to every arm
 FLOAT8 = [
-    "--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise",
-    "--quantize.linear.float8.filter_fqns", "output",
-]  # fmt: skip
+    *("--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise"),
+    *("--quantize.linear.float8.filter_fqns", "output"),
+]
 MASKS = ("causal", "block_causal")
 AC_MODES = {
     "full": ["--activation_checkpoint.mode", "full"],
@@ -106,20 +106,22 @@ def arm_command(
     extra: tuple[str, ...] = (),
 ) -> list[str]:
     common = [
-        "--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--job.dump_folder", str(run),
-        "--job.custom_config_module", "mhar_titan.config", "--training.steps", str(steps),
-        "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.total_steps", str(steps), "--metrics.log_freq", "1",
-        "--checkpoint.no-enable", "--validation.no-enable", *AC_MODES[ac],
-    ]  # fmt: skip
+        *("--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--job.dump_folder", str(run)),
+        *("--job.custom_config_module", "mhar_titan.config", "--training.steps", str(steps)),
+        *("--lr_scheduler.warmup_steps", "2", "--lr_scheduler.total_steps", str(steps), "--metrics.log_freq", "1"),
+        *("--checkpoint.no-enable", "--validation.no-enable"),
+        *AC_MODES[ac],
+    ]
     geometry = SMOKE if smoke else ["--model.flavor", flavor, *GPU]
     if arm != "stock":  # torchtitan's own model knows no [mhar]
         blocks = NUM_BLOCKS[smoke] if num_blocks is None else num_blocks
         geometry = [*geometry, "--mhar.num_blocks", str(blocks)]
     if profile:  # trace the last step, after one profiler warm-up step
         geometry = [
-            *geometry, "--profiling.enable_profiling", "--profiling.profile_freq", str(steps),
-            "--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1",
-        ]  # fmt: skip
+            *geometry,
+            *("--profiling.enable_profiling", "--profiling.profile_freq", str(steps)),
+            *("--profiling.profiler_warmup", "1", "--profiling.profiler_active", "1"),
+        ]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     return [*launcher, *ARMS[arm], *common, *geometry, *extra]
 
@@ -155,8 +157,13 @@ def gpu_memory() -> float | None:
     """The first GPU's total memory (bytes) from nvidia-smi, or None without one: this process makes no CUDA
     context, which would take memory from the arms."""
     try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, check=True, timeout=60)  # fmt: skip
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        )
         return float(done.stdout.split()[0]) * 2**20
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
@@ -168,8 +175,12 @@ def fitting_flavor(
     """The deepest cut of DEPTHS at which the control and MHAR arms both fit every AC mode asked for, by the
     memory plan (mhar_titan.plan, its default margin), so that every arm and mode runs at one depth; and a line
     saying which and why. An error where not even the shallowest fits."""
-    args = ["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--model.flavor", FLAVOR, *GPU,
-            "--mhar.num_blocks", str(num_blocks or NUM_BLOCKS[False]), *(FLOAT8 if float8 else [])]  # fmt: skip
+    args = [
+        *("--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"), "--model.flavor", FLAVOR),
+        *GPU,
+        *("--mhar.num_blocks", str(num_blocks or NUM_BLOCKS[False])),
+        *(FLOAT8 if float8 else []),
+    ]
     with plan.quiet():
         cfg = parse_config(args)
     fits = {mode: plan.deepest_fit(cfg, nproc, memory, MARGIN, mode) for mode in modes}
@@ -348,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
                     args.num_blocks,
                     args.flavor,
                     (*extra, "--model.attention_mask", mask),
-                )  # fmt: skip
+                )
                 for arm in arms
             }
             title = f"{mode} AC" + ("" if args.masks == ["causal"] else f", {mask} attention")
@@ -411,8 +422,11 @@ def print_masks(results: dict[str, dict[str, dict[str, float]]], modes: list[str
         base = results[f"{mode}/causal"]
         for mask in masks[1:] if masks[0] == "causal" else masks:
             r = results[f"{mode}/{mask}"]
-            cells = [f"{arm} {r[arm]['tokens_per_s'] / base[arm]['tokens_per_s']:.3f} "
-                     f"({r[arm]['peak_active_gib'] / base[arm]['peak_active_gib']:.3f})" for arm in r]  # fmt: skip
+            cells = [
+                f"{arm} {r[arm]['tokens_per_s'] / base[arm]['tokens_per_s']:.3f} "
+                f"({r[arm]['peak_active_gib'] / base[arm]['peak_active_gib']:.3f})"
+                for arm in r
+            ]
             print(f"{mode}/{mask}: " + ", ".join(cells))
 
 

@@ -122,11 +122,36 @@ def main() -> None:
     itemsize = 2 if args.dtype == "bf16" else 4
     calls = DEFAULT_TABLES.mix["calls"]
     types = {
-        "X": p, "SRCS": (p,) * n, "DSRCS": (p,) * n, "NULL": p, "Q": p, "G": p, "GATE": p, "OUT": p,
-        "DOUT": p, "LG": f32, "COEF": f32, "PARTS": f32, "M": "i32", "eps": "fp32", "DOUTS": (p,) * calls,
-        "COEFS": (f32,) * calls, "QS": (p,) * calls, "GS": (p,) * calls, "CSUMS": (f32,) * n, "RSTDS": (f32,) * n,
-        "NULL2": p, "Q2": p, "G2": p, "GATE2": p, "OUT2": p, "LG2": f32, "DOUT2": p, "COEF2": f32, "PARTS2": f32,
-    }  # fmt: skip
+        "X": p,
+        "SRCS": (p,) * n,
+        "DSRCS": (p,) * n,
+        "NULL": p,
+        "Q": p,
+        "G": p,
+        "GATE": p,
+        "OUT": p,
+        "DOUT": p,
+        "LG": f32,
+        "COEF": f32,
+        "PARTS": f32,
+        "M": "i32",
+        "eps": "fp32",
+        "DOUTS": (p,) * calls,
+        "COEFS": (f32,) * calls,
+        "QS": (p,) * calls,
+        "GS": (p,) * calls,
+        "CSUMS": (f32,) * n,
+        "RSTDS": (f32,) * n,
+        "NULL2": p,
+        "Q2": p,
+        "G2": p,
+        "GATE2": p,
+        "OUT2": p,
+        "LG2": f32,
+        "DOUT2": p,
+        "COEF2": f32,
+        "PARTS2": f32,
+    }
     per_group = ("DOUT", "NULL", "Q", "G", "LG", "GATE", "OUT", "COEF", "PARTS")
     grouped_types = {**types, **{name: (types[name],) for base in per_group for name in (base, base + "2")}}
     # the layout Triton picks for the row tiles (and so registers and barriers) changes between versions

@@ -51,12 +51,16 @@ REPO = Path(__file__).resolve().parents[1]
 ARMS = ("control", "mhar")
 PRECISIONS = ("bf16", "float8")
 AGAIN = "bf16-again"  # --repeat-bf16: each arm's bf16 job once more
-FLOAT8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise",
-          "--quantize.linear.float8.filter_fqns", "output"]  # fmt: skip
+FLOAT8 = [
+    *("--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise"),
+    *("--quantize.linear.float8.filter_fqns", "output"),
+]
 # Without a GPU of compute capability 8.9 or more, torchtitan converts only to torchao's emulation (the
 # tensorwise recipe, no compiled model): the CPU tests run the benchmark that way.
-EMULATED = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate",
-            "--quantize.linear.float8.filter_fqns", "output"]  # fmt: skip
+EMULATED = [
+    *("--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate"),
+    *("--quantize.linear.float8.filter_fqns", "output"),
+]
 MEMORY_TAG = "memory/peak_active_gib_max"
 RUN_FILE = "float8_parity_run.json"  # how `run` ran the jobs
 
@@ -73,12 +77,14 @@ def job(root: Path, arm: str, precision: str, args: argparse.Namespace, extra: l
     cfg = parse_config(["--job.config_file", str(REPO / config), "--model.hf_assets_path", args.base])
     local = cfg.training.local_batch_size
     float8 = EMULATED if args.emulate else FLOAT8
-    cmd = [str(REPO / "launch" / "torchrun.sh"), "--nproc", str(nproc), "--launch-id", f"float8-{arm}-{precision}",
-           config, "--job.dump_folder", str(root / f"{arm}-{precision}"),
-           "--model.flavor", "hf", "--model.hf_assets_path", args.base, "--checkpoint.initial_load_in_hf",
-           "--checkpoint.load_only", "--training.steps", str(args.steps),
-           "--training.global_batch_size", str(local * nproc), "--validation.no-enable",
-           "--metrics.log_freq", "1", "--metrics.enable_tensorboard"]  # fmt: skip
+    cmd = [
+        *(str(REPO / "launch" / "torchrun.sh"), "--nproc", str(nproc), "--launch-id", f"float8-{arm}-{precision}"),
+        *(config, "--job.dump_folder", str(root / f"{arm}-{precision}")),
+        *("--model.flavor", "hf", "--model.hf_assets_path", args.base),
+        *("--checkpoint.initial_load_in_hf", "--checkpoint.load_only"),
+        *("--training.steps", str(args.steps), "--training.global_batch_size", str(local * nproc)),
+        *("--validation.no-enable", "--metrics.log_freq", "1", "--metrics.enable_tensorboard"),
+    ]
     return cmd + (float8 if precision == "float8" else []) + extra  # bf16-again: the bf16 job's command
 
 
@@ -90,9 +96,18 @@ def run(args: argparse.Namespace, extra: list[str]) -> None:
     if not (Path(args.base) / "config.json").is_file():
         raise SystemExit(f"{sys.argv[0]}: --base {args.base}: no config.json there (an HF checkpoint folder)")
     root.mkdir(parents=True, exist_ok=True)
-    settings = {"steps": args.steps, "nproc": args.nproc, "parallel": args.parallel, "emulate": args.emulate,
-                "repeat_bf16": args.repeat_bf16, "arms": list(args.arms), "control": args.control, "mhar": args.mhar,
-                "base": args.base, "overrides": extra}  # fmt: skip
+    settings = {
+        "steps": args.steps,
+        "nproc": args.nproc,
+        "parallel": args.parallel,
+        "emulate": args.emulate,
+        "repeat_bf16": args.repeat_bf16,
+        "arms": list(args.arms),
+        "control": args.control,
+        "mhar": args.mhar,
+        "base": args.base,
+        "overrides": extra,
+    }
     write_text(root / RUN_FILE, json.dumps(settings, indent=2) + "\n")  # `report` reads how the jobs shared GPUs
     queue = [tuple(n.split("-", 1)) for n in runs_of(args.repeat_bf16, args.arms)]
     running: list[tuple[str, subprocess.Popen, float]] = []
@@ -129,12 +144,24 @@ def arm_figures(bf16: dict[int, float], fp8: dict[int, float], other: str = "flo
         part = deltas[q * len(steps) // 4 : (q + 1) * len(steps) // 4]
         cut = steps[q * len(steps) // 4 : (q + 1) * len(steps) // 4]
         mean, mean_abs = statistics.fmean(part), statistics.fmean(abs(d) for d in part)
-        quarters.append({"steps": [cut[0], cut[-1]], "mean": mean, "mean_abs": mean_abs,
-                         "mean_over_noise": mean / noise if noise else None,
-                         "mean_abs_over_noise": mean_abs / noise if noise else None})  # fmt: skip
+        quarters.append(
+            {
+                "steps": [cut[0], cut[-1]],
+                "mean": mean,
+                "mean_abs": mean_abs,
+                "mean_over_noise": mean / noise if noise else None,
+                "mean_abs_over_noise": mean_abs / noise if noise else None,
+            }
+        )
     last = deltas[3 * len(steps) // 4 :]
-    return {"steps": steps, "deltas": deltas, "noise": noise, "quarters": quarters, "last_quarter_ci": paired_ci(last),
-            "first": {"step": steps[0], "bf16": bf16[steps[0]], other: fp8[steps[0]]}}  # fmt: skip
+    return {
+        "steps": steps,
+        "deltas": deltas,
+        "noise": noise,
+        "quarters": quarters,
+        "last_quarter_ci": paired_ci(last),
+        "first": {"step": steps[0], "bf16": bf16[steps[0]], other: fp8[steps[0]]},
+    }
 
 
 def report(args: argparse.Namespace) -> dict[str, Any]:
@@ -151,8 +178,15 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     for (a, p), scalars in runs.items():
         if LOSS_TAG not in scalars:
             raise SystemExit(f"float8_parity: no {LOSS_TAG!r} under {root / f'{a}-{p}' / 'tb'}")
-    result: dict[str, Any] = {"root": str(root), "run": ran, "arms": {}, "floor": {}, "start": {}, "speed": {},
-                              "memory": {}}  # fmt: skip
+    result: dict[str, Any] = {
+        "root": str(root),
+        "run": ran,
+        "arms": {},
+        "floor": {},
+        "start": {},
+        "speed": {},
+        "memory": {},
+    }
     for arm in arms:
         result["arms"][arm] = arm_figures(runs[arm, "bf16"][LOSS_TAG], runs[arm, "float8"][LOSS_TAG])
         if (arm, AGAIN) in runs:
@@ -160,8 +194,12 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     for p in PRECISIONS if arms == ARMS else ():  # the arms at init against each other: both are needed
         c, m = runs["control", p][LOSS_TAG], runs["mhar", p][LOSS_TAG]
         first = min(set(c) & set(m))
-        result["start"][p] = {"step": first, "control": c[first], "mhar": m[first],
-                              "relative": abs(m[first] - c[first]) / abs(c[first])}  # fmt: skip
+        result["start"][p] = {
+            "step": first,
+            "control": c[first],
+            "mhar": m[first],
+            "relative": abs(m[first] - c[first]) / abs(c[first]),
+        }
     for key, scalars in runs.items():
         name = "-".join(key)
         result["speed"][name] = median_after_warmup(scalars.get("tokens_per_s"))
@@ -179,9 +217,12 @@ def _f(x: float | None, fmt: str = ".2e") -> str:
 
 
 def _quarter_rows(figures: dict[str, dict[str, Any]]) -> list[str]:
-    return [f"| {arm} | {i + 1} | {q['steps'][0]}-{q['steps'][1]} | {_f(q['mean'])} | {_f(q['mean_abs'])} "
-            f"| {_f(q['mean_over_noise'], '.3f')} | {_f(q['mean_abs_over_noise'], '.3f')} |"
-            for arm, a in figures.items() for i, q in enumerate(a["quarters"])]  # fmt: skip
+    return [
+        f"| {arm} | {i + 1} | {q['steps'][0]}-{q['steps'][1]} | {_f(q['mean'])} | {_f(q['mean_abs'])} "
+        f"| {_f(q['mean_over_noise'], '.3f')} | {_f(q['mean_abs_over_noise'], '.3f')} |"
+        for arm, a in figures.items()
+        for i, q in enumerate(a["quarters"])
+    ]
 
 
 def _ci(a: dict[str, Any]) -> str:
@@ -190,12 +231,20 @@ def _ci(a: dict[str, Any]) -> str:
 
 
 def markdown(r: dict[str, Any]) -> str:
-    header = ["| arm | quarter | steps | mean delta | mean abs delta | mean / noise | mean abs / noise |",
-              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    header = [
+        "| arm | quarter | steps | mean delta | mean abs delta | mean / noise | mean abs / noise |",
+        "|---|---|---|---|---|---|---|",
+    ]
     title = "both arms" if len(r["arms"]) == len(ARMS) else f"the {', '.join(r['arms'])} arm only"
-    lines = [f"# float8 against bf16, {title}", "",
-             "float8 - bf16 training loss, same base, same data order; noise = the bf16 run's batch noise.", "",
-             *header, *_quarter_rows(r["arms"]), ""]  # fmt: skip
+    lines = [
+        f"# float8 against bf16, {title}",
+        "",
+        "float8 - bf16 training loss, same base, same data order; noise = the bf16 run's batch noise.",
+        "",
+        *header,
+        *_quarter_rows(r["arms"]),
+        "",
+    ]
     for arm, a in r["arms"].items():
         lines.append(f"- {arm}: batch noise {_f(a['noise'], '.4f')}; last quarter's mean delta, 95% CI: {_ci(a)}")
     lines.append(
@@ -211,11 +260,14 @@ def markdown(r: dict[str, Any]) -> str:
         for arm, f in r["floor"].items():
             fp8, again = r["arms"][arm]["quarters"][-1]["mean_abs"], f["quarters"][-1]["mean_abs"]
             times = f" ({fp8 / again:.2f}x)" if again else " (the two bf16 runs' losses equal, bit for bit)"
-            lines.append(f"- {arm}, last quarter: mean abs delta, float8 {_f(fp8)} against bf16 again {_f(again)}"
-                         f"{times}; bf16 again's mean delta, 95% CI: {_ci(f)}")  # fmt: skip
+            lines.append(
+                f"- {arm}, last quarter: mean abs delta, float8 {_f(fp8)} against bf16 again {_f(again)}"
+                f"{times}; bf16 again's mean delta, 95% CI: {_ci(f)}"
+            )
     for p, s in r["start"].items():
-        lines.append(f"- step {s['step']}, {p}: control {s['control']:.6f}, MHAR {s['mhar']:.6f} "
-                     f"({_f(s['relative'])} relative)")  # fmt: skip
+        lines.append(
+            f"- step {s['step']}, {p}: control {s['control']:.6f}, MHAR {s['mhar']:.6f} ({_f(s['relative'])} relative)"
+        )
     speed = ", ".join(f"{k} {_f(v, ',.0f')}" for k, v in r["speed"].items())
     parallel = r.get("run", {}).get("parallel")
     if parallel is None:

@@ -76,9 +76,20 @@ def judge(runs: dict, clean: list[str], faults: list[str], checkpoint_at: int, a
         check = resume_check(killed, runs[resumed], checkpoint_at, runs[rerun])
         ok, figure, _ = resume_verdict(arm, check, killed.get("train/loss", {}))
         r = check["rerun"]
-        rows.append({"resumed": resumed, "rerun": rerun, "fault": fault, "passed": ok, "ratio": spread_ratio(check),
-                     "resumed_gap": r["resumed_gap"]["rms"], "rerun_gap": r["rerun_gap"]["rms"],
-                     "spread": r["spread"]["rms"], "equal": check["equal"], "figure": figure})  # fmt: skip
+        rows.append(
+            {
+                "resumed": resumed,
+                "rerun": rerun,
+                "fault": fault,
+                "passed": ok,
+                "ratio": spread_ratio(check),
+                "resumed_gap": r["resumed_gap"]["rms"],
+                "rerun_gap": r["rerun_gap"]["rms"],
+                "spread": r["spread"]["rms"],
+                "equal": check["equal"],
+                "figure": figure,
+            }
+        )
     return rows
 
 
@@ -98,9 +109,11 @@ def bitwise(runs: dict, clean: list[str], checkpoint_at: int) -> None:
     for a, b in itertools.combinations(clean, 2):
         check = resume_check(runs[a], runs[b], checkpoint_at)
         if not check["equal"]:
-            raise ValueError(f"--fault-relaunches 1: the clean relaunches {a} and {b} differ in "
-                             f"{check['differing_values']} values from step {check['first_differing_step']}; "
-                             "here a fault needs two relaunches (the default)")  # fmt: skip
+            raise ValueError(
+                f"--fault-relaunches 1: the clean relaunches {a} and {b} differ in "
+                f"{check['differing_values']} values from step {check['first_differing_step']}; "
+                "here a fault needs two relaunches (the default)"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,8 +136,11 @@ def measure(ours: argparse.Namespace, rest: list[str]) -> None:
     pf.link_checkpoints(s)
     job = pf.pair_overrides(base, s)
     config = args.control if ours.arm == "control" else args.mhar
-    print(f"resume_spread: {ours.arm}, {pf.layers} layers, {s.steps} steps, checkpoint {s.checkpoint_at}, kill "
-          f"after {s.kill_after}; {ours.reruns} reruns, faults {ours.faults}; {pf.root}", flush=True)  # fmt: skip
+    print(
+        f"resume_spread: {ours.arm}, {pf.layers} layers, {s.steps} steps, checkpoint {s.checkpoint_at}, kill "
+        f"after {s.kill_after}; {ours.reruns} reruns, faults {ours.faults}; {pf.root}",
+        flush=True,
+    )
     runs, seconds = {}, {}
 
     def relaunch(name: str, fault: str | None = None) -> None:
@@ -155,18 +171,27 @@ def measure(ours: argparse.Namespace, rest: list[str]) -> None:
     clean = [f"rerun{i + 1}" for i in range(ours.reruns)]
     rows = judge(runs, clean, ours.faults, s.checkpoint_at, ours.arm)
     noise = pairwise(runs, ["killed", *clean], s.checkpoint_at)
-    out = {"arm": ours.arm, "layers": pf.layers, "settings": {"steps": s.steps, "checkpoint_at": s.checkpoint_at,
-           "kill_after": s.kill_after}, "bound": SPREAD_FACTOR, "seconds": seconds, "verdicts": rows,
-           "pairwise_rms": noise, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "wall_s": time.monotonic() - began}  # fmt: skip
+    out = {
+        "arm": ours.arm,
+        "layers": pf.layers,
+        "settings": {"steps": s.steps, "checkpoint_at": s.checkpoint_at, "kill_after": s.kill_after},
+        "bound": SPREAD_FACTOR,
+        "seconds": seconds,
+        "verdicts": rows,
+        "pairwise_rms": noise,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "wall_s": time.monotonic() - began,
+    }
     (pf.root / "resume_spread.json").write_text(json.dumps(out, indent=1))
     listing = ", ".join(f"{k} {v:.3g}" for k, v in noise.items())
     print(f"bound {SPREAD_FACTOR:g}x; pairwise rms of clean runs: {listing}")
     for row in rows:
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3g}x"
         what = row["fault"] or "clean"
-        print(f"{what:8} {row['resumed']:>9} vs {row['rerun']:<9} {'PASS' if row['passed'] else 'FAIL'} {ratio:>9}  "
-              f"{row['figure']}")  # fmt: skip
+        print(
+            f"{what:8} {row['resumed']:>9} vs {row['rerun']:<9} {'PASS' if row['passed'] else 'FAIL'} {ratio:>9}  "
+            f"{row['figure']}"
+        )
     print(f"resume_spread: {time.monotonic() - began:.0f} s; {pf.root / 'resume_spread.json'}")
 
 

@@ -199,9 +199,15 @@ def tune(args, bw: float) -> None:
 
 PAIR_SOURCES = tuple(range(1, MAX_TRITON_SOURCES + 1))
 PAIR_FWD = [  # (rows, warps per 4096, register cap, prefetch)
-    (1, 8, None, False), (1, 8, 128, False), (2, 8, None, False), (2, 8, 128, False),
-    (2, 8, None, True), (2, 8, 128, True), (4, 8, None, True), (4, 8, 128, True),
-]  # fmt: skip
+    (1, 8, None, False),
+    (1, 8, 128, False),
+    (2, 8, None, False),
+    (2, 8, 128, False),
+    (2, 8, None, True),
+    (2, 8, 128, True),
+    (4, 8, None, True),
+    (4, 8, 128, True),
+]
 PAIR_STATS = [(32, 8, None, False), (64, 8, None, False), (32, 8, None, True), (64, 8, None, True)]
 
 
@@ -402,10 +408,12 @@ def tune_block(args, bw: float, dout: torch.Tensor) -> None:
     count = 2 * args.layers // args.blocks
     gen = torch.Generator(device=dout.device).manual_seed(0)
     sites = [
-        Site(*(0.5 * torch.randn(dout.shape[-1], device=dout.device, generator=gen).to(dout.dtype) for _ in range(3)),
-             0.1 * torch.randn(1, device=dout.device, generator=gen).to(dout.dtype))
+        Site(
+            *(0.5 * torch.randn(dout.shape[-1], device=dout.device, generator=gen).to(dout.dtype) for _ in range(3)),
+            0.1 * torch.randn(1, device=dout.device, generator=gen).to(dout.dtype),
+        )
         for _ in range(count)
-    ]  # fmt: skip
+    ]
     douts = [torch.randn_like(dout) for _ in range(count)]
     burst = Burst(dout, reps=20)
     unit = dout.numel() * dout.element_size()

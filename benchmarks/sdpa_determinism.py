@@ -20,8 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-BACKENDS = {"default": None, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "cudnn": SDPBackend.CUDNN_ATTENTION}  # fmt: skip
+BACKENDS = {
+    "default": None,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+}
 
 
 def measure(shape: tuple[int, ...], backend: SDPBackend | None, deterministic: bool, repeats: int) -> dict:
@@ -66,15 +70,21 @@ def main() -> None:
         shape = tuple(int(x) for x in text.split(","))
         for name, backend in BACKENDS.items():
             for deterministic in (False, True):
-                r = {"shape": text, "backend": name, "deterministic": deterministic,
-                     **measure(shape, backend, deterministic, args.repeats)}  # fmt: skip
+                r = {
+                    "shape": text,
+                    "backend": name,
+                    "deterministic": deterministic,
+                    **measure(shape, backend, deterministic, args.repeats),
+                }
                 rows.append(r)
                 mode = "deterministic" if deterministic else "default"
                 if "error" in r:
                     print(f"{text:16} {name:10} {mode:14} refused: {r['error']}")
                 else:
-                    print(f"{text:16} {name:10} {mode:14} {r['differing']:>9} of {r['repeats']:<6} "
-                          f"{r['max_dq_diff']:>10.3g} {r['median_ms']:>8.3f}")  # fmt: skip
+                    print(
+                        f"{text:16} {name:10} {mode:14} {r['differing']:>9} of {r['repeats']:<6} "
+                        f"{r['max_dq_diff']:>10.3g} {r['median_ms']:>8.3f}"
+                    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -190,8 +190,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.measured is not None and not 0 < args.measured <= 1:
         parser.error(f"--measured {args.measured}: an MHAR/control ratio in (0, 1]")
     try:
-        floor = step_floor(args.layers, args.num_blocks, args.tokens, args.dim, args.heads,
-                           args.control_tokens_per_s, args.copy_tbps * 1e12)  # fmt: skip
+        floor = step_floor(
+            args.layers,
+            args.num_blocks,
+            args.tokens,
+            args.dim,
+            args.heads,
+            args.control_tokens_per_s,
+            args.copy_tbps * 1e12,
+        )
     except ValueError as e:
         parser.error(str(e))
     print("\n".join(describe(floor, args.measured)))

@@ -120,14 +120,16 @@ def gap_report(trace_path: str | Path, top: int = 15, at_least_ms: float = 0.1) 
     for length, at, prev, nxt in sorted(gaps, key=lambda g: -g[0])[:top]:
         op = ops.get((nxt.get("args") or {}).get("External id"))
         host = [b for b in blocking if b["ts"] < at + length and b["ts"] + b.get("dur", 0) > at]
-        report.append({
-            "ms": length / 1e3,
-            "at_ms": (at - start) / 1e3,
-            "after": prev["name"][:60],
-            "before": nxt["name"][:60],
-            "launched_by": op["name"][:60] if op else "?",
-            "host_blocking": ", ".join(f"{b['name']} {b.get('dur', 0) / 1e3:.2f} ms" for b in host[:3]),
-        })  # fmt: skip
+        report.append(
+            {
+                "ms": length / 1e3,
+                "at_ms": (at - start) / 1e3,
+                "after": prev["name"][:60],
+                "before": nxt["name"][:60],
+                "launched_by": op["name"][:60] if op else "?",
+                "host_blocking": ", ".join(f"{b['name']} {b.get('dur', 0) / 1e3:.2f} ms" for b in host[:3]),
+            }
+        )
     return report
 
 

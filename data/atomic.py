@@ -155,8 +155,9 @@ class RemoteFolder:
             return []
         except Exception as e:  # noqa: BLE001  the store's first answer: a missing bucket, no credentials (botocore's own type)
             raise OutputError(f"{self.url}: cannot list it ({type(e).__name__}: {e})") from e
-        return sorted(os.path.basename(e["name"].rstrip("/")) + ("/" if e["type"] == "directory" else "")
-                      for e in entries)  # fmt: skip
+        return sorted(
+            os.path.basename(e["name"].rstrip("/")) + ("/" if e["type"] == "directory" else "") for e in entries
+        )
 
     def check(self, replace: bool, log: Callable[[str], None]) -> list[str]:
         """The folder's entries after the marker of a killed writer of this host is removed (with `replace`);
@@ -169,14 +170,17 @@ class RemoteFolder:
             owner = json.loads(self.fs.cat_file(self.path(self.marker)))
             pid, host, started = int(owner["pid"]), str(owner["host"]), str(owner["started"])
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise OutputError(f"{marker}: a {self.tool} marker that cannot be read ({e}); delete it if no run "
-                              "writes this folder") from e  # fmt: skip
+            raise OutputError(
+                f"{marker}: a {self.tool} marker that cannot be read ({e}); delete it if no run writes this folder"
+            ) from e
         who = f"PID {pid} on host {host}, started {started}"
         if host == HOST and pid != os.getpid() and pid_alive(pid):
             raise OutputError(f"{self.url}: being written by {self.tool} ({who})")
         if host != HOST:
-            raise OutputError(f"{self.url}: written by {self.tool} ({who}), which has not finished; if that run "
-                              f"is gone, delete {marker} and rerun")  # fmt: skip
+            raise OutputError(
+                f"{self.url}: written by {self.tool} ({who}), which has not finished; if that run "
+                f"is gone, delete {marker} and rerun"
+            )
         if not replace:
             raise OutputError(f"{self.url}: left incomplete by a killed {self.tool} ({who}); {self.redo}")
         log(f"{self.url}: removing the incomplete output of a killed {self.tool} ({who})")
@@ -185,8 +189,12 @@ class RemoteFolder:
 
     def claim(self) -> None:
         """The marker, created only if no other writer has created it since `check` (a conditional write)."""
-        owner = {"pid": os.getpid(), "host": HOST, "fqdn": socket.getfqdn(),
-                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+        owner = {
+            "pid": os.getpid(),
+            "host": HOST,
+            "fqdn": socket.getfqdn(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         try:
             with self.fs.open(self.path(self.marker), "xb") as f:
                 f.write(json.dumps(owner).encode())
@@ -220,5 +228,4 @@ class RemoteFolder:
             self.delete(self.uploaded)
             self.fs.rm_file(self.path(self.marker))
         except OSError as e:
-            log(f"{self.url}: could not delete this run's partial output ({e}); its {self.marker} stays: "
-                f"{self.redo}")  # fmt: skip
+            log(f"{self.url}: could not delete this run's partial output ({e}); its {self.marker} stays: {self.redo}")

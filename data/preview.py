@@ -72,9 +72,14 @@ def read(loader: ParquetDataLoader, batches: int, n: int) -> tuple[list[dict], l
     out = []
     for number, tokens in stages.items():
         total = sum(tokens.values()) or 1
-        out.append({"stage": number, "from_step": described[number - 1]["start"],
-                    "weights": described[number - 1]["weights"],
-                    "source_shares": {name: t / total for name, t in tokens.items()}})  # fmt: skip
+        out.append(
+            {
+                "stage": number,
+                "from_step": described[number - 1]["start"],
+                "weights": described[number - 1]["weights"],
+                "source_shares": {name: t / total for name, t in tokens.items()},
+            }
+        )
     return windows, out
 
 
@@ -103,8 +108,17 @@ def show(job: JobConfig, args: argparse.Namespace) -> None:
     if not shares:  # one source: all of it
         shares = {name: 1.0 for name in loader.names}
     last = step_of_batch(loader.batches - 1, loader.accumulation)
-    record = {"batches": batches, "rank": args.rank, "world": args.world, "step": args.step, "last_step": last,
-              "source_shares": shares, "stages": stages, "counters": counters, "windows": windows}  # fmt: skip
+    record = {
+        "batches": batches,
+        "rank": args.rank,
+        "world": args.world,
+        "step": args.step,
+        "last_step": last,
+        "source_shares": shares,
+        "stages": stages,
+        "counters": counters,
+        "windows": windows,
+    }
     if args.json:
         print(json.dumps(record))
     else:
@@ -116,8 +130,10 @@ def print_text(tokenizer: HuggingFaceTokenizer, loader: ParquetDataLoader, r: di
     for w in r["windows"]:
         print(f"--- window {w['window']} (batch {w['batch']}, stream {w['stream']}, {len(w['ids'])} tokens) ---")
         print(decode_marked(tokenizer, w["ids"]))
-    print(f"--- steps {r['step']}-{r['last_step']}: {r['batches']} batches of {loader.batch} on rank {r['rank']} of "
-          f"{r['world']}:")  # fmt: skip
+    print(
+        f"--- steps {r['step']}-{r['last_step']}: {r['batches']} batches of {loader.batch} on rank {r['rank']} of "
+        f"{r['world']}:"
+    )
     if loader.schedule.staged:
         for st in r["stages"]:
             got = ", ".join(

@@ -179,8 +179,10 @@ def check_local_folders(config: TitanJobConfig) -> None:
     folders = (("[job] dump_folder", config.job.dump_folder), ("[checkpoint] folder", config.checkpoint.folder))
     for key, value in folders:
         if "://" not in value and re.match(r"[A-Za-z][A-Za-z0-9+.-]+:", value):  # `s3:/bucket`: a folder named `s3:`
-            raise ValueError(f"{key} = {value!r}: reads as a URL without its `://` (s3://bucket/...); a local path "
-                             "must not begin with `name:`")  # fmt: skip
+            raise ValueError(
+                f"{key} = {value!r}: reads as a URL without its `://` (s3://bucket/...); a local path "
+                "must not begin with `name:`"
+            )
     if "://" in config.job.dump_folder:
         raise ValueError(
             f"[job] dump_folder = {config.job.dump_folder!r} is a URL: the run folder (the run lock, logs, records, "
@@ -203,9 +205,11 @@ def check_unused_validation_loader(config: TitanJobConfig) -> None:
     """Validation reads its windows in the training process (data/loader.py ValidationLoader): a
     `[validation.dataloader]` setting would change nothing, so it is refused rather than ignored."""
     default = type(config.validation.dataloader)()
-    changed = [f"{f.name} = {getattr(config.validation.dataloader, f.name)!r}"
-               for f in fields(default)
-               if getattr(config.validation.dataloader, f.name) != getattr(default, f.name)]  # fmt: skip
+    changed = [
+        f"{f.name} = {getattr(config.validation.dataloader, f.name)!r}"
+        for f in fields(default)
+        if getattr(config.validation.dataloader, f.name) != getattr(default, f.name)
+    ]
     if changed:
         raise ValueError(
             f"[validation.dataloader] {', '.join(changed)}: validation reads its windows in the training process, "

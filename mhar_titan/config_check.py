@@ -255,8 +255,15 @@ def _expected(tp: Any) -> str:
 
 
 def _one(tp: Any) -> str:
-    singular = {bool: "a boolean (true or false)", int: "an integer", float: "a number (integer or float)",
-                str: "a string", list: "an array", tuple: "an array", dict: "a table"}  # fmt: skip
+    singular = {
+        bool: "a boolean (true or false)",
+        int: "an integer",
+        float: "a number (integer or float)",
+        str: "a string",
+        list: "an array",
+        tuple: "an array",
+        dict: "a table",
+    }
     tp = _bare(tp)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp in singular:

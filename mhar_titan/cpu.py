@@ -174,8 +174,12 @@ def adapt_train_spec(spec: TrainSpec) -> None:
 
 def use_masked_sdpa(model: nn.Module) -> int:
     """Replace every flex attention module of `model` with MaskedSDPA; how many were replaced."""
-    found = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
-             if isinstance(child, FlexAttentionWrapper)]  # fmt: skip
+    found = [
+        (parent, name)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, FlexAttentionWrapper)
+    ]
     for parent, name in found:
         setattr(parent, name, MaskedSDPA())
     return len(found)

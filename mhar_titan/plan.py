@@ -263,8 +263,11 @@ def plan(cfg: JobConfig, gpus: int, gpu_memory: float, margin: float) -> dict[st
 
 def host_text(host: dict[str, dict[str, float]], mode: str) -> str:
     """One line: each async_mode's host memory a rank for checkpoint saves (GiB), and the config's mode."""
-    parts = [f"{m} {h['page_locked']:.1f} page-locked" + (f" + {h['during_save']:.1f} while a save writes"
-             if h["during_save"] else "") for m, h in host.items()]  # fmt: skip
+    parts = [
+        f"{m} {h['page_locked']:.1f} page-locked"
+        + (f" + {h['during_save']:.1f} while a save writes" if h["during_save"] else "")
+        for m, h in host.items()
+    ]
     return f"host memory a rank for checkpoint saves (GiB; x ranks a node): {'; '.join(parts)} (this config: {mode})"
 
 

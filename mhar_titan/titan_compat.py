@@ -21,19 +21,38 @@ REACHES = (
     ("torchtitan.train.CheckpointManager, a module global Trainer.__init__ reads", "torchtitan/train.py", "Trainer"),
     ("LoggerContainer._loggers", "torchtitan/components/metrics.py", "LoggerContainer.__init__"),
     ("TensorBoardLogger.writer and .tag", "torchtitan/components/metrics.py", "TensorBoardLogger.__init__"),
-    ("MetricsProcessor's log window: time_last_log, ntokens_since_last_log, data_loading_times, "
-     "device_memory_monitor, num_flops_per_token, gpu_peak_flops", "torchtitan/components/metrics.py",
-     "MetricsProcessor.__init__"),
-    ("CheckpointManager's _async_wait, _create_checkpoint_id, _flattened_model_states_sd, "
-     "_purge_stale_checkpoints, purge_queue (our fork's)", "torchtitan/components/checkpoint.py", "CheckpointManager"),
+    (
+        "MetricsProcessor's log window: time_last_log, ntokens_since_last_log, data_loading_times, "
+        "device_memory_monitor, num_flops_per_token, gpu_peak_flops",
+        "torchtitan/components/metrics.py",
+        "MetricsProcessor.__init__",
+    ),
+    (
+        "CheckpointManager's _async_wait, _create_checkpoint_id, _flattened_model_states_sd, "
+        "_purge_stale_checkpoints, purge_queue (our fork's)",
+        "torchtitan/components/checkpoint.py",
+        "CheckpointManager",
+    ),
     ("_op_sac_save_list", "torchtitan/models/llama3/infra/parallelize.py", "module"),
-    ("device_type and device_module bound by name (the CPU shims)", "torchtitan/tools/utils.py and its importers",
-     "module"),
-    ("_compiled_create_block_mask, the global create_attention_mask calls (the CPU shims make it eager)",
-     "torchtitan/models/attention.py", "module"),
-)  # fmt: skip
-_WINDOW = ("time_last_log", "ntokens_since_last_log", "data_loading_times", "device_memory_monitor",
-           "num_flops_per_token", "gpu_peak_flops")  # fmt: skip
+    (
+        "device_type and device_module bound by name (the CPU shims)",
+        "torchtitan/tools/utils.py and its importers",
+        "module",
+    ),
+    (
+        "_compiled_create_block_mask, the global create_attention_mask calls (the CPU shims make it eager)",
+        "torchtitan/models/attention.py",
+        "module",
+    ),
+)
+_WINDOW = (
+    "time_last_log",
+    "ntokens_since_last_log",
+    "data_loading_times",
+    "device_memory_monitor",
+    "num_flops_per_token",
+    "gpu_peak_flops",
+)
 _CHECKPOINT = ("_async_wait", "_create_checkpoint_id", "_flattened_model_states_sd", "_purge_stale_checkpoints")
 # Modules that bound torchtitan.tools.utils.device_type / device_module by name (mhar_titan/cpu.py rebinds them).
 DEVICE_GLOBALS = {

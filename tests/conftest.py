@@ -22,12 +22,25 @@ from mhar_titan.components.lifetime import descendants  # noqa: E402
 # so starting with the longest leaves the short ones to fill the end (the suite takes as long as its slower
 # worker); xdist's own reorder goes by the number of tests in a file, not by their time.
 SLOWEST_FIRST = (
-    "test_preflight.py", "test_train_resume.py", "test_cluster_run.py", "test_preflight_verdicts.py",
+    "test_preflight.py",
+    "test_train_resume.py",
+    "test_cluster_run.py",
+    "test_preflight_verdicts.py",
     "test_checkpoint_s3.py",
-    "test_routing_triton.py", "test_float8.py", "test_train_mhar.py", "test_recipe_train.py", "test_train_stages.py",
-    "test_hf_distributed.py", "test_pair_demo.py", "test_preflight_exports.py", "test_routing_pair.py",
-    "test_eval_watch.py", "test_mhar_compile.py", "test_data_mixture.py", "test_eval_suites.py",
-)  # fmt: skip
+    "test_routing_triton.py",
+    "test_float8.py",
+    "test_train_mhar.py",
+    "test_recipe_train.py",
+    "test_train_stages.py",
+    "test_hf_distributed.py",
+    "test_pair_demo.py",
+    "test_preflight_exports.py",
+    "test_routing_pair.py",
+    "test_eval_watch.py",
+    "test_mhar_compile.py",
+    "test_data_mixture.py",
+    "test_eval_suites.py",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -93,8 +93,10 @@ def test_a_sealed_checkpoint_missing_a_rank_checksums_is_damaged_an_older_one_un
     write_manifest(str(sealed), 0, ranks=2)  # rank 1's is not there: deleted, or lost with its disk
     assert missing_manifests(str(sealed)) == [str(sealed / MANIFEST_DIR / "rank-00001.json")]
     problems, _ = verify_share(str(sealed), 0, 1)
-    assert problems == [f"{sealed / MANIFEST_DIR / 'rank-00001.json'}: missing (every rank wrote its checksums "
-                        "before the checkpoint was complete)"]  # fmt: skip
+    assert problems == [
+        f"{sealed / MANIFEST_DIR / 'rank-00001.json'}: missing (every rank wrote its checksums "
+        "before the checkpoint was complete)"
+    ]
     with pytest.raises(DamagedCheckpoint, match="rank-00001.json: missing"):
         verify_checkpoint(str(sealed))
     write_manifest(str(older), 0)  # an older version's: no rank count, the same gap is only unverified
@@ -228,8 +230,9 @@ def test_the_mode_is_set_in_a_config_and_a_wrong_one_refused_in_one_line(tmp_pat
     config.write_text(tiny.replace("[checkpoint]\n", '[checkpoint]\nasync_mode = "pinned"\n'))
     with pytest.raises(ValueError) as refused:
         parse_config(["--job.config_file", str(config)])
-    assert str(refused.value) == (f'{config}: [checkpoint] async_mode = "pinned": expected one of "disabled", "async", '
-                                  '"async_with_pinned_mem"')  # fmt: skip
+    assert str(refused.value) == (
+        f'{config}: [checkpoint] async_mode = "pinned": expected one of "disabled", "async", "async_with_pinned_mem"'
+    )
     config.write_text(tiny.replace("[checkpoint]\n", '[checkpoint]\nasync_mode = "async_with_pinned_mem"\n'))
     assert parse_config(["--job.config_file", str(config)]).checkpoint.async_mode == "async_with_pinned_mem"
 

@@ -10,8 +10,10 @@ from mhar_titan.components.checkpoint.sealed_save import SealedBackgroundWriter
 
 
 def test_the_modes_run_the_same_job_but_for_async_mode(tmp_path):
-    cmds = {m: mode_command(m, tmp_path / m, tmp_path / "ckpt", steps=9, interval=3, smoke=False, compile_=False)
-            for m in MODES}  # fmt: skip
+    cmds = {
+        m: mode_command(m, tmp_path / m, tmp_path / "ckpt", steps=9, interval=3, smoke=False, compile_=False)
+        for m in MODES
+    }
 
     def value(cmd, flag):
         return cmd[cmd.index(flag) + 1]
@@ -35,13 +37,24 @@ def test_a_stall_is_the_step_after_a_save_over_the_median_of_the_steps_after_non
     assert got["step_s"] == 1.0 and got["stall_s"] == pytest.approx({3: 2.0, 6: 0.5})
     with pytest.raises(ValueError, match="no step after step 1 follows no save"):
         stalls({1: 1.0, 2: 2.0}, steps=3, interval=1)
-    rows = [{"mode": "disabled", **got, "trainer": 10.0, "other": 0.0, "waits_s": {}},
-            {"mode": "async_with_pinned_mem", **got, "trainer": 41.5, "other": 1.2, "waits_s": {3: 0.4}}]  # fmt: skip
+    rows = [
+        {"mode": "disabled", **got, "trainer": 10.0, "other": 0.0, "waits_s": {}},
+        {"mode": "async_with_pinned_mem", **got, "trainer": 41.5, "other": 1.2, "waits_s": {3: 0.4}},
+    ]
     lines = table(rows).splitlines()
     assert lines[0].split()[:3] == ["mode", "step", "s"]
     assert lines[1].split() == ["disabled", "1.00", "+2.00,", "+0.50", "10.0", "+0.0", "0.0", "-"]
-    assert lines[2].split() == ["async_with_pinned_mem", "1.00", "+2.00,", "+0.50", "41.5", "+31.5", "1.2", "0.4",
-                                "(step-3)"]  # fmt: skip
+    assert lines[2].split() == [
+        "async_with_pinned_mem",
+        "1.00",
+        "+2.00,",
+        "+0.50",
+        "41.5",
+        "+31.5",
+        "1.2",
+        "0.4",
+        "(step-3)",
+    ]
 
 
 def test_the_checkpoints_must_be_sealed_and_the_last_interval_one_intact(tmp_path):

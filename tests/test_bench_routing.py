@@ -74,8 +74,11 @@ def test_an_unknown_kernel_to_tune_is_refused_by_name_before_anything_runs():
     """Checked before the GPU is looked for: on a GPU, an unknown name would otherwise time nothing."""
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.bench_routing", "--tune", "pair,stat"],
-        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "--tune: unknown ['stat']" in proc.stderr, proc.stderr
 
 
@@ -93,8 +96,15 @@ def test_the_byte_model_counts_the_launches_each_path_makes(block_kernels, monke
         tables = tables.replace(
             fwd_sites={n: {"sites": per_pass} for n in (1, 2)}, stats_pair={n: {"grouped": True} for n in (1, 2)}
         )
-    kinds = {"fwd": "forward", "sites": "forward", "stats": "stats", "mix": "mix", "norm": "norm", "rstd": "rstd",
-             "finish": "finish"}  # fmt: skip
+    kinds = {
+        "fwd": "forward",
+        "sites": "forward",
+        "stats": "stats",
+        "mix": "mix",
+        "norm": "norm",
+        "rstd": "rstd",
+        "finish": "finish",
+    }
     counted = collections.Counter()
     for name, kind in kinds.items():
         launcher = getattr(rt, f"{name}_launcher")

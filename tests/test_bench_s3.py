@@ -63,8 +63,10 @@ def rows(output):
 
 def test_bench_data_prints_local_and_s3_rows_side_by_side(tmp_path, capsys):
     argv = ["--shards", str(shards(tmp_path)), "--seq-len", "64", "--batch", "1", "--batches", "2"]
-    bench_data.main([*argv, "--tokenizer", str(bench_data.DEMO), "--workers", "0", "2"] + [
-        "--store", "local,s3", "--latency-ms", "0,5"])  # fmt: skip
+    bench_data.main(
+        [*argv, "--tokenizer", str(bench_data.DEMO), "--workers", "0", "2"]
+        + ["--store", "local,s3", "--latency-ms", "0,5"]
+    )
     out = capsys.readouterr().out
     table = rows(out)[1:]
     assert [(r[2], r[4], r[5]) for r in table] == [

@@ -46,8 +46,11 @@ def test_the_depth_is_the_deepest_cut_both_arms_fit_on_this_gpu(float8):
 
 def test_ac_modes_reach_every_arm_and_nothing_else_changes(tmp_path):
     def mode_args(cmd):
-        return [a for i, a in enumerate(cmd) if a.startswith("--activation_checkpoint") or (
-            i and cmd[i - 1].startswith("--activation_checkpoint"))]  # fmt: skip
+        return [
+            a
+            for i, a in enumerate(cmd)
+            if a.startswith("--activation_checkpoint") or (i and cmd[i - 1].startswith("--activation_checkpoint"))
+        ]
 
     for arm in ARMS:
         full = arm_command(arm, tmp_path, nproc=1, steps=12, smoke=False, ac="full")

@@ -35,6 +35,11 @@ def test_a_step_folders_files_and_manifests(tmp_path):
     assert layout.shard_name(1) == "__1_0.distcp"
     assert layout.saved_by(str(tmp_path), 0) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
     assert layout.saved_by(str(tmp_path), 1) == ["__1_0.distcp"]
-    assert layout.checkpoint_files(str(tmp_path)) == [".metadata", "__0_0.distcp", "__0_1.distcp", "__10_0.distcp",
-                                                      "__1_0.distcp"]  # fmt: skip
+    assert layout.checkpoint_files(str(tmp_path)) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__0_1.distcp",
+        "__10_0.distcp",
+        "__1_0.distcp",
+    ]
     assert layout.manifest_path("step-4", 1) == "step-4/checksums/rank-00001.json"

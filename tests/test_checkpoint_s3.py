@@ -18,8 +18,10 @@ from mhar_titan.components.checkpoint.testing import FAIL_UPLOAD_ENV
 from mhar_titan.components.tensorboard_scalars import read_scalars
 from mhar_titan.hf.run import load_run_checkpoint
 
-ARGS = ("--training.steps", "7", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2",
-        "--validation.no-enable", "--lr_scheduler.total_steps", "12", "--lr_scheduler.warmup_steps", "2")  # fmt: skip
+ARGS = (
+    *("--training.steps", "7", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2"),
+    *("--validation.no-enable", "--lr_scheduler.total_steps", "12", "--lr_scheduler.warmup_steps", "2"),
+)
 
 
 ONE_RANK = ("--training.global_batch_size", "8")  # 2 ranks x 4 windows, as 2 microbatches on 1 rank

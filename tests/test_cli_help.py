@@ -33,11 +33,29 @@ CLIS = {
     "data.prepare": "data.prepare",
     "data.index": "data.index",
     "data.demo_corpus": "data.demo_corpus",
-    **{f"benchmarks.{name}": f"benchmarks.{name}" for name in (
-        "bench_checkpoint_io", "bench_checkpoint_s3", "bench_checkpoint_stall", "bench_checksums", "bench_data",
-        "bench_routing", "bench_startup", "bench_step", "bpe128k", "compile_report", "float8_parity", "hf_export_check",
-        "hf_smoke", "resume_spread", "sdpa_determinism", "step_floor", "trace_summary")},
-}  # fmt: skip
+    **{
+        f"benchmarks.{name}": f"benchmarks.{name}"
+        for name in (
+            "bench_checkpoint_io",
+            "bench_checkpoint_s3",
+            "bench_checkpoint_stall",
+            "bench_checksums",
+            "bench_data",
+            "bench_routing",
+            "bench_startup",
+            "bench_step",
+            "bpe128k",
+            "compile_report",
+            "float8_parity",
+            "hf_export_check",
+            "hf_smoke",
+            "resume_spread",
+            "sdpa_determinism",
+            "step_floor",
+            "trace_summary",
+        )
+    },
+}
 # a few commands run for real, the one issue 23 saw warn among them (seconds each)
 RUN = ("mhar_titan.hf", "data.demo_corpus", "mhar_titan.components.tensorboard_scalars")
 

@@ -128,8 +128,10 @@ def test_an_allowed_schedule_change_is_applied_from_the_first_resumed_step(base,
     assert "The run resumes from its checkpoint" in log and "schedule.decay_end: 12 in the run, 14 now" in log
     assert "schedule.weight_decay: 0.05 in the run, 0.1 now" in log
     assert "optimizer group decay: peak lr 0.003 -> 0.001, weight_decay 0.05 -> 0.1, lr of step 7" in log
-    factor = {s: lr_factor(s, warmup_steps=10, decay_start=10, decay_end=14, decay_type="linear", min_lr_factor=0.1)
-              for s in (6, 7)}  # fmt: skip
+    factor = {
+        s: lr_factor(s, warmup_steps=10, decay_start=10, decay_end=14, decay_type="linear", min_lr_factor=0.1)
+        for s in (6, 7)
+    }
     lr = read_scalars(resumed, "lr/decay")
     # as TensorBoard stores it (float32); not 3e-3 x the old warmup's factor
     assert (lr[7], lr[8]) == tuple(float(torch.tensor(1e-3 * factor[s], dtype=torch.float32)) for s in (6, 7))
@@ -183,13 +185,20 @@ def test_a_run_folder_without_its_fingerprint_needs_allow_changes_legacy(base, t
 
 
 def launch(run: Path, *args: str, nproc: int = 2) -> subprocess.Popen:
-    cmd = [str(REPO / "launch" / "torchrun.sh"), "--nproc", str(nproc), "configs/tiny_cpu.toml", "--job.dump_folder",
-           str(run)]  # fmt: skip
+    cmd = [
+        *(str(REPO / "launch" / "torchrun.sh"), "--nproc", str(nproc)),
+        *("configs/tiny_cpu.toml", "--job.dump_folder", str(run)),
+    ]
     env = {**os.environ, "PYTHON": sys.executable, **ENV}
     return subprocess.Popen(
-        [*cmd, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [*cmd, *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
 
 
 def read_until(proc: subprocess.Popen, text: str, lines: list[str]) -> None:
@@ -261,8 +270,13 @@ def test_a_checkpoint_folder_too_small_for_one_checkpoint_is_refused_at_start(tm
 
 
 def test_train_cpt_without_torchrun_says_how_to_launch_it():
-    proc = subprocess.run([sys.executable, "train_cpt.py", "--job.config_file", "configs/tiny_cpu.toml"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "train_cpt.py", "--job.config_file", "configs/tiny_cpu.toml"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "train_cpt.py: run it under torchrun (it needs a process group): launch/torchrun.sh CONFIG [--section.key "

@@ -217,9 +217,18 @@ def test_report_and_plots(pair):
 
 def test_t_quantile_matches_tables():
     # 30-digit values from the regularized incomplete beta (mpmath), independent of the finite sums used here
-    table = {1: 12.706204736174705, 2: 4.3026527297494639, 3: 3.1824463052837096, 4: 2.7764451051977944,
-             5: 2.5705818356363155, 10: 2.2281388519862747, 15: T_975_DF15, 30: 2.0422724563012383,
-             100: 1.9839715185235523, 1000: 1.9623390808264085}  # fmt: skip
+    table = {
+        1: 12.706204736174705,
+        2: 4.3026527297494639,
+        3: 3.1824463052837096,
+        4: 2.7764451051977944,
+        5: 2.5705818356363155,
+        10: 2.2281388519862747,
+        15: T_975_DF15,
+        30: 2.0422724563012383,
+        100: 1.9839715185235523,
+        1000: 1.9623390808264085,
+    }
     for df, t in table.items():
         assert t_quantile(0.975, df) == pytest.approx(t, rel=1e-12), df
     assert paired_ci([1e-5]) is None and paired_ci([]) is None
@@ -300,8 +309,13 @@ def test_series_missing_in_one_arm_diverges(tmp_path):
     r = compare(tmp_path)
     assert r["checks"]["tokens_seen"] == {"identical": False, "step": 7, "control": None, "mhar": f32(8 * 4096 * 7)}
     assert r["checks"]["data"] == {
-        "identical": False, "step": 5, "control": None, "mhar": 1.0, "tag": "data/tokens/new", "tags": 4
-    }  # fmt: skip
+        "identical": False,
+        "step": 5,
+        "control": None,
+        "mhar": 1.0,
+        "tag": "data/tokens/new",
+        "tags": 4,
+    }
     assert "first at step 5: control missing, mhar 1.0" in (tmp_path / "compare" / "report.md").read_text()
 
 
@@ -363,8 +377,12 @@ def test_arms_that_recorded_other_settings_are_reported(tmp_path, capsys):
     """The arms' fingerprint.json: base, data and schedule (precision included) must agree; [mhar] differs by
     design. A float8 control beside a bf16 MHAR arm is named, in the summary and the report."""
     plain = parse_config(["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml")])
-    f8 = parse_config(["--job.config_file", str(REPO / "configs" / "tiny_cpu.toml"),
-                       "--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate"])  # fmt: skip
+    f8 = parse_config(
+        [
+            *("--job.config_file", str(REPO / "configs" / "tiny_cpu.toml")),
+            *("--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate"),
+        ]
+    )
     for arm in ("control", "mhar"):
         write_run(tmp_path / arm, {"train/loss": {s: 3.0 for s in range(1, 6)}})
     assert compare(tmp_path)["checks"]["recipe"] == {"identical": None, "differences": []}  # none recorded
@@ -393,8 +411,10 @@ def test_the_report_draws_the_stage_boundaries_with_the_lr_schedule(tmp_path):
         "data/stage_share/web": {s: 0.7 if s < 16 else 0.2 for s in steps},
         "data/stage_share/hq": {s: 0.3 if s < 16 else 0.8 for s in steps},
     }
-    data = {"mixture": {"web": {"weight": 7.0}, "hq": {"weight": 3.0}},
-            "mixture_stages": [{"number": 2, "start": 16, "weights": {"web": 0.2, "hq": 0.8}}]}  # fmt: skip
+    data = {
+        "mixture": {"web": {"weight": 7.0}, "hq": {"weight": 3.0}},
+        "mixture_stages": [{"number": 2, "start": 16, "weights": {"web": 0.2, "hq": 0.8}}],
+    }
     for arm in ("control", "mhar"):
         write_run(tmp_path / arm, {"train/loss": {s: 3.0 for s in steps}, **staged})
         record = {"model": {}, "base": {}, "data": data, "schedule": {}}

@@ -15,8 +15,13 @@ def test_every_kernel_compiles_for_sm90_and_ptxas_reports_registers():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the compiler, not the interpreter
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.compile_report", "--sources", "2", "--sass"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=True,
-    ).stdout  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
     rows = re.findall(r"^\| (fwd|stats|mix) \| [^|]+ \| (\d+) \| (\d+) \| (\d+) \|$", out, re.M)
     assert {r[0] for r in rows} == {"fwd", "stats", "mix"} and len(rows) == 10, out
     assert all(0 < int(regs) <= 255 for _, _, regs, _ in rows), out

@@ -162,8 +162,9 @@ def test_state_and_stream_do_not_depend_on_loader_workers(corpus, settings, monk
 @pytest.mark.parametrize("settings", [{"prefetch_factor": 4}, {"persistent_workers": True}])
 def test_worker_settings_without_workers_are_refused_by_name(corpus, settings):
     with pytest.raises(ValueError, match=r"^\[training.dataloader\] prefetch_factor and persistent_workers act on"):
-        ParquetDataLoader(cfg_for(corpus[0]), list_shards(cfg_for(corpus[0]).paths), ENCODE, SEQ, BATCH, 0, 2,
-                          workers=settings)  # fmt: skip
+        ParquetDataLoader(
+            cfg_for(corpus[0]), list_shards(cfg_for(corpus[0]).paths), ENCODE, SEQ, BATCH, 0, 2, workers=settings
+        )
 
 
 def test_resume_on_four_ranks_after_two_keeps_every_streams_order(corpus):

@@ -294,9 +294,11 @@ def test_the_startup_benchmark_runs_and_prints_its_table():
 def test_the_index_cli_answers_bad_input_in_one_line(tmp_path):
     for argv, said in [
         ([str(tmp_path / "nothing")], f"[data] paths: '{tmp_path / 'nothing'}' matches no parquet file"),
-        ([str(REPO / "assets" / "tiny" / "corpus"), "--out", str(tmp_path / "elsewhere" / "i.json")],
-         "not below the index's folder"),
-    ]:  # fmt: skip
+        (
+            [str(REPO / "assets" / "tiny" / "corpus"), "--out", str(tmp_path / "elsewhere" / "i.json")],
+            "not below the index's folder",
+        ),
+    ]:
         with pytest.raises(SystemExit) as stop:
             main(argv)
         assert str(stop.value).startswith("python -m data.index: ") and said in str(stop.value)

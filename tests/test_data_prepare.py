@@ -125,7 +125,13 @@ def test_every_input_kind_round_trips_once_in_order_with_its_source(inputs, tmp_
     assert summary["documents"] == len(docs) and summary["shards"] == 4
     assert summary["text_bytes"] == sum(len(t.encode()) for t, _ in docs)
     assert {s: v["documents"] for s, v in summary["sources"].items()} == {
-        "web": 3, "books": 9, "code": 6, "notes": 1, "hf": 4, "table": 3}  # fmt: skip
+        "web": 3,
+        "books": 9,
+        "code": 6,
+        "notes": 1,
+        "hf": 4,
+        "table": 3,
+    }
     printed = capsys.readouterr().out
     assert "26 documents" in printed and "4 shards" in printed and "fewer than --min-shards 16" in printed
 

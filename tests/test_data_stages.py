@@ -126,9 +126,19 @@ def test_a_window_is_picked_from_the_mixtures_sequence_against_its_steps_stage(s
         (["web=1 code=1 math=1"], r"expected 'STEP: name=weight"),
         (["5: web=1 code=1 math=1 web=2"], r"source 'web' named twice"),
     ],
-    ids=["unknown-source", "negative", "missing-source", "all-zero", "out-of-order", "at-step-1", "past-the-end",
-         "bad-step", "no-step", "twice"],
-)  # fmt: skip
+    ids=[
+        "unknown-source",
+        "negative",
+        "missing-source",
+        "all-zero",
+        "out-of-order",
+        "at-step-1",
+        "past-the-end",
+        "bad-step",
+        "no-step",
+        "twice",
+    ],
+)
 def test_bad_stages_are_refused_naming_the_stage_and_value(sources, stages, says):
     cfg = staged(sources, stages)
     with pytest.raises(ValueError, match=says):
@@ -169,9 +179,11 @@ def test_the_fingerprint_records_the_stages_normalised_and_a_change_is_refused(s
     )
     moved = group(["401: web=1 code=3 math=0"])
     diffs = fingerprint.describe(fingerprint.differences({"data": a}, {"data": moved}))
-    assert diffs == ["data.mixture_stages: [{\"number\": 2, \"start\": 301, \"weights\": {\"web\": 0.25, \"code\": "
-                     "0.75, \"math\": 0.0}}] in the run, [{\"number\": 2, \"start\": 401, \"weights\": {\"web\": 0.25, "
-                     "\"code\": 0.75, \"math\": 0.0}}] now"]  # fmt: skip
+    assert diffs == [
+        'data.mixture_stages: [{"number": 2, "start": 301, "weights": {"web": 0.25, "code": '
+        '0.75, "math": 0.0}}] in the run, [{"number": 2, "start": 401, "weights": {"web": 0.25, '
+        '"code": 0.75, "math": 0.0}}] now'
+    ]
 
 
 class SimpleJob:

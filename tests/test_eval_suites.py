@@ -61,8 +61,18 @@ def test_the_paper_suite_is_lm_evals_own_tasks_with_the_documented_settings(mana
         if member.get("output_type") == "generate_until":
             assert member["generation_kwargs"]["do_sample"] is False, t.task  # greedy
     assert [m["weight_by_size"] for m in config(manager, "mmlu")["aggregate_metric_list"]] == [True]
-    assert len([n for n in manager.task_index if n.startswith("mmlu_") and config(manager, n).get("dataset_path")
-                == "cais/mmlu" and "/default/" in str(manager.task_index[n].yaml_path)]) == 57  # fmt: skip
+    assert (
+        len(
+            [
+                n
+                for n in manager.task_index
+                if n.startswith("mmlu_")
+                and config(manager, n).get("dataset_path") == "cais/mmlu"
+                and "/default/" in str(manager.task_index[n].yaml_path)
+            ]
+        )
+        == 57
+    )
 
 
 def refusal(argv, capsys) -> str:
@@ -103,8 +113,10 @@ def test_offline_without_the_datasets_the_suite_names_each_missing_one_before_an
     env = {k: v for k, v in os.environ.items() if k not in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
     env |= {"HF_HOME": str(hf), "HF_DATASETS_CACHE": str(hf / "datasets")}
     before = sorted(bare_pair.rglob("*"))
-    cmd = [sys.executable, "-m", "mhar_titan.eval", str(bare_pair), "--watch", "--suite", "paper",
-           "--confirm-run-unsafe-code"]  # fmt: skip
+    cmd = [
+        *(sys.executable, "-m", "mhar_titan.eval", str(bare_pair)),
+        *("--watch", "--suite", "paper", "--confirm-run-unsafe-code"),
+    ]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     line = done.stderr.strip().splitlines()[-1]

@@ -57,8 +57,10 @@ def expected(steps_: list[int], weights=("raw", "ema")) -> list[str]:
 
 
 def start(pair: Path, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "mhar_titan.eval", str(pair), "--watch", "--tasks", TASK, "--limit", "4",
-           "--poll", "0.3", "--settle", "0"]  # fmt: skip
+    cmd = [
+        *(sys.executable, "-m", "mhar_titan.eval", str(pair), "--watch"),
+        *("--tasks", TASK, "--limit", "4", "--poll", "0.3", "--settle", "0"),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
@@ -273,8 +275,10 @@ def test_paired_rows_pair_documents_per_filter_and_pool_a_weighted_group():
     def model(values: dict[str, list[float]], group: float) -> dict:
         """gsm8k-like: every document scored under two filters; a group of it, weighted by size."""
         samples = [{"doc_id": i, "filter": f, "exact_match": v} for f, vs in values.items() for i, v in enumerate(vs)]
-        results = {"gsm": {f"exact_match,{f}": sum(vs) / len(vs) for f, vs in values.items()},
-                   "grp": {"exact_match,strict": group}}  # fmt: skip
+        results = {
+            "gsm": {f"exact_match,{f}": sum(vs) / len(vs) for f, vs in values.items()},
+            "grp": {"exact_match,strict": group},
+        }
         return {"results": results, "samples": {"gsm": samples}, "group_subtasks": {"grp": ["gsm"], "gsm": []}}
 
     control = model({"strict": [0, 0, 1, 0], "flex": [1, 1, 1, 0]}, 0.25)

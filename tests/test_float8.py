@@ -23,8 +23,10 @@ from mhar_titan.config import parse_config
 from mhar_titan.hf.export import init_hf
 from mhar_titan.plan import estimate, geometry
 
-FLOAT8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise",
-          "--quantize.linear.float8.filter_fqns", "output"]  # fmt: skip
+FLOAT8 = [
+    *("--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise"),
+    *("--quantize.linear.float8.filter_fqns", "output"),
+]
 TINY = str(REPO / "configs" / "tiny_cpu.toml")
 
 
@@ -35,9 +37,11 @@ def parity(tmp_path_factory):
     base = tmp / "base"
     init_hf(str(base), "tiny", tokenizer_dir=str(REPO / "assets" / "tiny"), seed=3)
     root = tmp / "parity"
-    cmd = [sys.executable, "-m", "benchmarks.float8_parity", "run", str(root), "--base", str(base), "--steps", "8",
-           "--emulate", "--control", "configs/tiny_cpu.toml", "--mhar", "configs/tiny_cpu_mhar.toml", "--parallel", "2",
-           "--mhar.num_blocks", "2", "--compile.no-enable"]  # fmt: skip
+    cmd = [
+        *(sys.executable, "-m", "benchmarks.float8_parity", "run", str(root), "--base", str(base), "--steps", "8"),
+        *("--emulate", "--control", "configs/tiny_cpu.toml", "--mhar", "configs/tiny_cpu_mhar.toml"),
+        *("--parallel", "2", "--mhar.num_blocks", "2", "--compile.no-enable"),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -68,8 +72,13 @@ def test_the_repeated_bf16_jobs_run_the_bf16_command_and_the_report_sets_float8_
         control="configs/tiny_cpu.toml", mhar="configs/tiny_cpu_mhar.toml", nproc=1, emulate=True, base="B", steps=8
     )
     assert float8_parity.runs_of(True) == [
-        "control-bf16", "control-float8", "control-bf16-again", "mhar-bf16", "mhar-float8", "mhar-bf16-again"
-    ]  # fmt: skip
+        "control-bf16",
+        "control-float8",
+        "control-bf16-again",
+        "mhar-bf16",
+        "mhar-float8",
+        "mhar-bf16-again",
+    ]
     again, bf16 = (float8_parity.job(tmp_path, "mhar", p, args, ["--x.y", "1"]) for p in ("bf16-again", "bf16"))
     renamed = [a.replace("bf16-again", "bf16") for a in again]
     assert renamed == bf16 and str(tmp_path / "mhar-bf16-again") in again

@@ -49,11 +49,14 @@ def test_an_export_to_a_used_or_unfinished_prefix_is_refused_in_one_line(s3, tmp
     s3.pipe(f"exports/killed/{EXPORTING}", json.dumps(owner).encode())
     for url, message in [
         ("s3://exports/used", "s3://exports/used already exists (1 entries, e.g. config.json); export into a new"),
-        ("s3://exports/killed", f"s3://exports/killed: left incomplete by a killed hf export (PID {owner['pid']} on "
-                                f"host {HOST}, started 2026-12-06T00:00:00Z); delete s3://exports/killed and export "
-                                "again"),
+        (
+            "s3://exports/killed",
+            f"s3://exports/killed: left incomplete by a killed hf export (PID {owner['pid']} on "
+            f"host {HOST}, started 2026-12-06T00:00:00Z); delete s3://exports/killed and export "
+            "again",
+        ),
         ("s3://no-such-bucket/out", "s3://no-such-bucket/out"),
-    ]:  # fmt: skip
+    ]:
         with pytest.raises(SystemExit) as stop:
             hf_cli.main(["export", str(run), url])
         assert str(stop.value).startswith("python -m mhar_titan.hf export: ") and message in str(stop.value)

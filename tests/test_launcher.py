@@ -478,20 +478,9 @@ def pair_dir(tmp_path):
 def test_eval_watch_dry_run_prints_the_watcher_on_the_gpu(pair_dir):
     out = run(WATCH, "--dry-run", str(pair_dir), "--suite", "paper", "--dtype", "fp32").stdout.split()
     assert out == [
-        sys.executable,
-        "-m",
-        "mhar_titan.eval",
-        str(pair_dir),
-        "--watch",
-        "--device",
-        "cuda",
-        "--dtype",
-        "bf16",
-        "--suite",
-        "paper",
-        "--dtype",
-        "fp32",
-    ]  # fmt: skip  (the later --dtype wins)
+        *(sys.executable, "-m", "mhar_titan.eval", str(pair_dir), "--watch", "--device", "cuda", "--dtype", "bf16"),
+        *("--suite", "paper", "--dtype", "fp32"),  # (the later --dtype wins)
+    ]
     out = run(WATCH, "--dry-run", str(pair_dir), "--once", env={"EVAL_SCRATCH": "/local/scratch"}).stdout.split()
     assert out[3:] == [str(pair_dir), "--device", "cuda", "--dtype", "bf16", "--scratch", "/local/scratch", "--once"]
     header = [line.split()[1] for line in open(WATCH) if line.startswith("#SBATCH")]
@@ -524,8 +513,10 @@ def test_eval_watch_runs_the_watcher_and_passes_its_exit_code_on(pair_dir, tmp_p
     proc = run(WATCH, str(pair_dir), "--tasks", "mhar_tiny_cloze", env={"PYTHON": str(fake)}, check=False)
     assert proc.returncode == 3
     argv = (tmp_path / "argv").read_text().split()
-    assert argv == ["-m", "mhar_titan.eval", str(pair_dir), "--watch", "--device", "cuda", "--dtype", "bf16", "--tasks",
-                    "mhar_tiny_cloze"]  # fmt: skip
+    assert argv == [
+        *("-m", "mhar_titan.eval", str(pair_dir), "--watch", "--device", "cuda", "--dtype", "bf16"),
+        *("--tasks", "mhar_tiny_cloze"),
+    ]
 
 
 # --- mhar_titan.launch: torchrun keeping the trainer's exit codes ---------------------------------
@@ -541,9 +532,11 @@ def test_the_trainers_exit_codes_are_kept_and_other_failures_stay_torchruns():
     assert [launch.trainer_exit_code(failed(code, -15)) for code in (2, 66, 75)] == [2, 66, 75]
     assert launch.trainer_exit_code(failed(1, 2)) is None  # a crash first: torchrun's summary, exit 1
     assert launch.trainer_exit_code(failed(-9)) is None  # killed by a signal
-    agent = logging.LogRecord(launch.AGENT_LOGGER, logging.ERROR, "api.py", 1, "failed (exitcode: %s) local_rank: %s",
-                              (66, 0), None)  # fmt: skip
-    crash = logging.LogRecord(launch.AGENT_LOGGER, logging.ERROR, "api.py", 1, "failed (exitcode: %s) local_rank: %s",
-                              (1, 0), None)  # fmt: skip
+    agent = logging.LogRecord(
+        launch.AGENT_LOGGER, logging.ERROR, "api.py", 1, "failed (exitcode: %s) local_rank: %s", (66, 0), None
+    )
+    crash = logging.LogRecord(
+        launch.AGENT_LOGGER, logging.ERROR, "api.py", 1, "failed (exitcode: %s) local_rank: %s", (1, 0), None
+    )
     quiet = launch._TrainerExits()
     assert not quiet.filter(agent) and quiet.filter(crash)

@@ -1,5 +1,6 @@
 """The layout's rules, checked: which imports load what, no import cycles (function-local imports included),
-no long modules, model code free of infrastructure, a package import with no side effects."""
+model code free of infrastructure, a package import with no side effects, a docstring on every module. Size is
+guidance (docs/layout.md), not a test."""
 
 import ast
 import re
@@ -11,13 +12,28 @@ from kernels.triton import host, shared
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("mhar_titan", "kernels", "data", "benchmarks")
-MAX_LINES = 450
 # Model code (torchtitan's models/llama3/model): parallelize.py is the model's infrastructure, apart.
-MODEL_CODE = ("mhar_titan.model.args", "mhar_titan.model.hf_config", "mhar_titan.model.model",
-              "mhar_titan.model.state_dict_adapter")  # fmt: skip
-INFRASTRUCTURE = ("mhar_titan.components", "mhar_titan.hf", "mhar_titan.compare", "mhar_titan.eval",
-                  "mhar_titan.trainer", "mhar_titan.train_spec", "mhar_titan.config", "mhar_titan.cpu", "data",
-                  "benchmarks", "torchtitan.train", "torchtitan.components", "torch.distributed")  # fmt: skip
+MODEL_CODE = (
+    "mhar_titan.model.args",
+    "mhar_titan.model.hf_config",
+    "mhar_titan.model.model",
+    "mhar_titan.model.state_dict_adapter",
+)
+INFRASTRUCTURE = (
+    "mhar_titan.components",
+    "mhar_titan.hf",
+    "mhar_titan.compare",
+    "mhar_titan.eval",
+    "mhar_titan.trainer",
+    "mhar_titan.train_spec",
+    "mhar_titan.config",
+    "mhar_titan.cpu",
+    "data",
+    "benchmarks",
+    "torchtitan.train",
+    "torchtitan.components",
+    "torch.distributed",
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -60,8 +76,9 @@ def test_kernels_load_nothing_of_the_project_or_torchtitan():
 
 def test_the_comparison_cli_loads_no_triton_and_no_trainer():
     loaded = _loaded_after("import mhar_titan.compare.__main__")
-    assert not [m for m in loaded if m.split(".")[0] in ("triton", "kernels") or m in ("mhar_titan.trainer",
-                                                                                    "torchtitan.train")]  # fmt: skip
+    assert not [
+        m for m in loaded if m.split(".")[0] in ("triton", "kernels") or m in ("mhar_titan.trainer", "torchtitan.train")
+    ]
 
 
 def test_importing_the_package_registers_nothing():
@@ -102,9 +119,14 @@ def test_no_import_cycles_anywhere():
 MAY_IMPORT = {
     "data": ("data", "kernels"),
     "mhar_titan.model": ("mhar_titan.model", "kernels"),
-    "mhar_titan.components": ("mhar_titan.components", "mhar_titan.model", "mhar_titan.titan_compat", "data",
-                              "kernels"),
-}  # fmt: skip
+    "mhar_titan.components": (
+        "mhar_titan.components",
+        "mhar_titan.model",
+        "mhar_titan.titan_compat",
+        "data",
+        "kernels",
+    ),
+}
 
 
 def test_no_import_runs_back_up_the_layers():
@@ -113,8 +135,11 @@ def test_no_import_runs_back_up_the_layers():
     for layer, allowed in MAY_IMPORT.items():
         for name, path in known.items():
             if name == layer or name.startswith(layer + "."):
-                bad = [m for m in sorted(_imports(name, path, known)) if m != "mhar_titan" and not any(
-                    m == a or m.startswith(a + ".") for a in allowed)]  # fmt: skip
+                bad = [
+                    m
+                    for m in sorted(_imports(name, path, known))
+                    if m != "mhar_titan" and not any(m == a or m.startswith(a + ".") for a in allowed)
+                ]
                 upward += [f"{name} imports {m}" for m in bad]
     assert not upward, upward
 
@@ -139,8 +164,10 @@ TOOLS = ("mhar_titan.eval", "mhar_titan.hf", "mhar_titan.preflight", "mhar_titan
 # verified, or a test step's written) and the threaded DCP reader (hf export reads a step with it).
 TOOLS_MAY_USE = (f"{CHECKPOINT}.layout", f"{CHECKPOINT}.checksums", f"{CHECKPOINT}.dcp_io")
 # Benchmarks that drive a module of the package itself: the store's copy, the resume faults' names.
-BENCHMARKS_DRIVE = {"benchmarks.bench_checkpoint_s3": f"{CHECKPOINT}.remote",
-                    "benchmarks.resume_spread": f"{CHECKPOINT}.testing"}  # fmt: skip
+BENCHMARKS_DRIVE = {
+    "benchmarks.bench_checkpoint_s3": f"{CHECKPOINT}.remote",
+    "benchmarks.resume_spread": f"{CHECKPOINT}.testing",
+}
 
 
 def test_the_checkpoint_layout_loads_no_torch_and_no_torchtitan():
@@ -156,8 +183,11 @@ def test_the_tools_use_the_checkpoint_layout_not_the_manager():
     for name, path in known.items():
         if any(name == tool or name.startswith(tool + ".") for tool in TOOLS):
             allowed = (CHECKPOINT, *TOOLS_MAY_USE, BENCHMARKS_DRIVE.get(name))
-            used += [f"{name} imports {m}" for m in sorted(_imports(name, path, known))
-                     if m.startswith(CHECKPOINT + ".") and m not in allowed]  # fmt: skip
+            used += [
+                f"{name} imports {m}"
+                for m in sorted(_imports(name, path, known))
+                if m.startswith(CHECKPOINT + ".") and m not in allowed
+            ]
     assert not used, used
     loaded = _loaded_after("; ".join(f"import {m}" for m in TOOLS_MAY_USE))
     assert not [m for m in loaded if m.split(".")[0] == "torchtitan" or m == f"{CHECKPOINT}.manager"]
@@ -175,30 +205,9 @@ def test_model_code_imports_no_infrastructure():
             assert not bad, f"{name} imports {bad}"
 
 
-def test_modules_are_short_and_say_what_they_hold():
+def test_every_module_says_what_it_holds():
     for path in _modules().values():
-        lines = path.read_text().count("\n")
-        assert lines <= MAX_LINES, f"{path.relative_to(REPO)}: {lines} lines"
         assert ast.get_docstring(ast.parse(path.read_text())), f"{path.relative_to(REPO)}: no docstring"
-
-
-MAX_FUNCTION_LINES = 60  # outside the kernels, whose launch and tiling code is long by nature
-MAX_TRAINER_LINES = 300  # the trainer reads as its loop; its concerns live in components/
-
-
-def test_functions_are_short_and_the_trainer_reads_as_its_loop():
-    long = []
-    for name, path in _modules().items():
-        if name.startswith("kernels"):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                length = node.end_lineno - node.lineno + 1
-                if length > MAX_FUNCTION_LINES:
-                    long.append(f"{path.relative_to(REPO)}: {node.name}, {length} lines")
-    assert not long, long
-    trainer = (REPO / "mhar_titan" / "trainer.py").read_text().count("\n")
-    assert trainer <= MAX_TRAINER_LINES, f"mhar_titan/trainer.py: {trainer} lines"
 
 
 def test_one_atomic_write_one_check_of_a_writer_and_one_all_gather_of_python_objects():

@@ -64,8 +64,10 @@ def test_each_blocks_sites_are_one_fsdp_unit_and_train_as_the_unsharded_model(tm
     units are gathered: each block's sites form one unit of their own, no layer's unit holds a site, the
     parameter names stay the layers', and one forward and backward equal the unsharded model's."""
     out = tmp_path / "found.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "tests" / "fsdp_routing.py"), str(out)]  # fmt: skip
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
+        *(str(REPO / "tests" / "fsdp_routing.py"), str(out)),
+    ]
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -107,8 +107,12 @@ def test_host_memory_for_checkpoints_counts_each_mode_page_locked_and_while_writ
     assert eight.staged_bytes == 4 * (16032 * 4096 + 512 * 4096 + 128 * 4096 + 1792 * 4096 + 512 * 14336)
     assert host_checkpoint(eight, "async_with_pinned_mem")["page_locked"] == eight.staged_bytes + 16 * eight.params / 8
 
-    main([str(REPO / "configs" / "marin8b_mhar.toml"), "--gpus", "8", "--gpu-memory", "80GiB", "--model.flavor",
-          "marin8b", "--checkpoint.async_mode", "async"])  # fmt: skip
+    main(
+        [
+            *(str(REPO / "configs" / "marin8b_mhar.toml"), "--gpus", "8", "--gpu-memory", "80GiB"),
+            *("--model.flavor", "marin8b", "--checkpoint.async_mode", "async"),
+        ]
+    )
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("host memory"))
     assert line.endswith("async_with_pinned_mem 15.3 page-locked (this config: async)"), line
     assert "async 0.3 page-locked + 15.0 while a save writes" in line

@@ -149,8 +149,10 @@ def test_memory_beyond_the_plan_by_more_than_5_percent_fails():
 
     def arm(peak):
         steady = {s: 1000.0 for s in range(1, 41)}
-        return {"killed": {"scalars": {"tokens_per_s": steady, "memory/peak_active_gib": {5: peak}}},
-                "resumed": {"scalars": {"memory/peak_active_gib": {30: peak - 1}}}}  # fmt: skip
+        return {
+            "killed": {"scalars": {"tokens_per_s": steady, "memory/peak_active_gib": {5: peak}}},
+            "resumed": {"scalars": {"memory/peak_active_gib": {30: peak - 1}}},
+        }
 
     arms = {"control": arm(60.0), "mhar": arm(61.0)}
     assert speed_memory_stage(arms, {"control": 59.0, "mhar": 60.5}, S).ok
@@ -160,8 +162,14 @@ def test_memory_beyond_the_plan_by_more_than_5_percent_fails():
 
 def test_the_slurm_form_runs_the_preflight_on_the_nodes_gpus(tmp_path):
     env = {**os.environ, "PYTHON": "echo", "SLURM_GPUS_ON_NODE": "h100:8", "SLURM_SUBMIT_DIR": str(REPO)}
-    done = subprocess.run(["bash", "launch/preflight.sbatch", *CONFIGS, "--steps", "40"], cwd=REPO, env=env,
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    done = subprocess.run(
+        ["bash", "launch/preflight.sbatch", *CONFIGS, "--steps", "40"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert done.stdout.split() == ["-m", "mhar_titan.preflight", *CONFIGS, "--steps", "40", "--nproc", "8"]
     missing = subprocess.run(["bash", "launch/preflight.sbatch", CONFIGS[0]], cwd=REPO, capture_output=True, text=True)
     assert missing.returncode == 2 and "usage: sbatch" in missing.stderr
@@ -173,11 +181,13 @@ def test_the_configs_mixture_stages_move_between_the_checkpoint_and_the_kill():
     tiny = str(REPO / "configs" / "tiny_cpu.toml")
     s = PairSettings(40, 20, 30, 2, Path("pair"), Path("logs"), sys.executable)
     cfg = parse_config(["--job.config_file", tiny, "--data.mixture_stages", "121: docstrings=0.3 code=0.7"])
-    assert moved_stages(cfg, s) == (["--data.mixture_stages", "26: docstrings=0.3 code=0.7"],
-                                    "mixture stages moved to this run's steps (121 -> 26)")  # fmt: skip
-    two = parse_config([
-        "--job.config_file", tiny, "--data.mixture_stages", "100: docstrings=1 code=1,121: docstrings=0 code=1"
-    ])  # fmt: skip
+    assert moved_stages(cfg, s) == (
+        ["--data.mixture_stages", "26: docstrings=0.3 code=0.7"],
+        "mixture stages moved to this run's steps (121 -> 26)",
+    )
+    two = parse_config(
+        ["--job.config_file", tiny, "--data.mixture_stages", "100: docstrings=1 code=1,121: docstrings=0 code=1"]
+    )
     assert moved_stages(two, s)[0] == [
         "--data.mixture_stages",
         "24: docstrings=1.0 code=1.0,27: docstrings=0.0 code=1.0",

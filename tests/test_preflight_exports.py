@@ -170,10 +170,22 @@ def test_non_finite_metrics_or_a_missing_model_fail_the_stage(tmp_path):
         return {"folder": "f", "seconds": 1.0, "metrics": {TASK: {"acc,none": acc}}}
 
     rows = {
-        w: [{"task": TASK, "metric": "acc,none", "control": 0.5, "mhar": 0.25, "delta": -0.25, "delta_stderr": 0.1,
-             "delta_ci": [-0.45, -0.05], "n": 8, "control_stderr": 0.1, "mhar_stderr": 0.1}]
+        w: [
+            {
+                "task": TASK,
+                "metric": "acc,none",
+                "control": 0.5,
+                "mhar": 0.25,
+                "delta": -0.25,
+                "delta_stderr": 0.1,
+                "delta_ci": [-0.45, -0.05],
+                "n": 8,
+                "control_stderr": 0.1,
+                "mhar_stderr": 0.1,
+            }
+        ]
         for w in ("raw", "ema")
-    }  # fmt: skip
+    }
     result = {"step": STEP, "tasks": [TASK], "expected_tasks": [TASK], "results": rows}
     result["models"] = {name: model(0.5) for name in MODELS}
     path = tmp_path / "eval.json"

@@ -31,9 +31,12 @@ GEOMETRY = ["--dim", "256", "--num-heads", "8", "--tokens", "32", "--sites", "4"
 
 
 def _launch(out, max_sources):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-           "-m", "mhar_titan.preflight.probe", "--out", str(out), *GEOMETRY,
-           "--max-sources", str(max_sources)]  # fmt: skip
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2"),
+        *("-m", "mhar_titan.preflight.probe", "--out", str(out)),
+        *GEOMETRY,
+        *("--max-sources", str(max_sources)),
+    ]
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     env.pop("MHAR_PREFLIGHT_PERTURB_KERNEL", None)
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -71,8 +74,19 @@ def test_a_plain_probe_passes_every_stage_with_its_fields(probes):
         record = json.loads((probes["plain"] / f"rank-{rank}.json").read_text())
         assert "error" not in record and record["rank"] == rank and record["world_size"] == 2
         env = record["environment"]
-        for key in ("python", "torch", "torch_cuda", "triton", "torchtitan", "driver", "gpu_name", "hostname",
-                    "local_rank", "memory_total_bytes", "memory_free_bytes"):  # fmt: skip
+        for key in (
+            "python",
+            "torch",
+            "torch_cuda",
+            "triton",
+            "torchtitan",
+            "driver",
+            "gpu_name",
+            "hostname",
+            "local_rank",
+            "memory_total_bytes",
+            "memory_free_bytes",
+        ):
             assert key in env, key
         assert env["device"] == "cpu" and env["driver"] is None and env["memory_free_bytes"] > 0
         kernels = record["kernels"]

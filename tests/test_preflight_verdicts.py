@@ -134,8 +134,14 @@ def test_the_stage_names_the_arm_and_step_of_a_fault():
     class S:
         steps, checkpoint_at = 30, 20
 
-    arms = {"mhar": {"resume": resume_check(killed, faulty, 20, faulty), "killed": {"scalars": killed, "killed_at": 30},
-                     "resumed": {"scalars": faulty}, "gates": 0.002}}  # fmt: skip
+    arms = {
+        "mhar": {
+            "resume": resume_check(killed, faulty, 20, faulty),
+            "killed": {"scalars": killed, "killed_at": 30},
+            "resumed": {"scalars": faulty},
+            "gates": 0.002,
+        }
+    }
     stage = pair_stage(arms, S, "8 layers", 1.0)
     assert not stage.ok and stage.key == "d"
     assert stage.figure.startswith("mhar: the resumed job's lr/decay differs from the killed job's at step 21")

@@ -32,10 +32,13 @@ def test_ema_follows_the_parameter_history_and_a_nan_step_is_skipped(tmp_path, i
     run, beta = tmp_path / "run", 0.7
     shutil.copytree(seed_run, run)
     proc = torchrun(
-        run, "--training.steps", "6", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0",
-        "--ema.beta", str(beta), "--optimizer.implementation", implementation, *FAST,
-        script="tests/faulty_trainer.py", env={"NAN_STEPS": "3"},
-    )  # fmt: skip
+        run,
+        *("--training.steps", "6", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"),
+        *("--ema.beta", str(beta), "--optimizer.implementation", implementation),
+        *FAST,
+        script="tests/faulty_trainer.py",
+        env={"NAN_STEPS": "3"},
+    )
     log = proc.stdout + proc.stderr
     assert "step 3: non-finite loss or gradient" in log and "rank 1: loss share nan" in log
 
@@ -60,10 +63,14 @@ def test_ema_follows_the_parameter_history_and_a_nan_step_is_skipped(tmp_path, i
 def test_too_many_bad_steps_in_a_row_stop_with_a_checkpoint_of_the_last_good_state(tmp_path):
     run = tmp_path / "run"
     proc = torchrun(
-        run, "--training.steps", "6", "--checkpoint.interval", "10", "--checkpoint.enable_first_step_checkpoint",
-        "--training.max_bad_steps", "2", *FAST,
-        script="tests/faulty_trainer.py", env={"NAN_STEPS": "2,3"}, check=False,
-    )  # fmt: skip
+        run,
+        *("--training.steps", "6", "--checkpoint.interval", "10", "--checkpoint.enable_first_step_checkpoint"),
+        *("--training.max_bad_steps", "2"),
+        *FAST,
+        script="tests/faulty_trainer.py",
+        env={"NAN_STEPS": "2,3"},
+        check=False,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 1 and "ChildFailedError" in log  # a failure, not one of the trainer's codes: torchrun's
     assert "step 3: 2 non-finite steps in a row (training.max_bad_steps = 2)" in log

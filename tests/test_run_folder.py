@@ -162,9 +162,12 @@ def test_a_stop_file_is_told_apart_by_the_launch_written_in_it(tmp_path, own_sig
 
 def schedulers(lr: float, weight_decay: float, warmup: int):
     job = parse_config(
-        ["--job.config_file", "configs/tiny_cpu.toml", "--optimizer.lr", str(lr), "--optimizer.weight_decay",
-         str(weight_decay), "--lr_scheduler.warmup_steps", str(warmup), "--lr_scheduler.total_steps", "20"]
-    )  # fmt: skip
+        [
+            *("--job.config_file", "configs/tiny_cpu.toml"),
+            *("--optimizer.lr", str(lr), "--optimizer.weight_decay", str(weight_decay)),
+            *("--lr_scheduler.warmup_steps", str(warmup), "--lr_scheduler.total_steps", "20"),
+        ]
+    )
     kwargs = {"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": weight_decay}
     settings = group_settings(kwargs, lr_multiplier=2.0)
     params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]

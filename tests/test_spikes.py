@@ -73,7 +73,7 @@ def test_a_checkpoint_saved_before_spike_scoring_loads_with_fresh_windows(tmp_pa
             checkpoint_id=str(tmp_path / "old"),
             planner=DataOnlyLoadPlanner(),
             no_dist=True,
-        )  # fmt: skip  (any other entry is still required)
+        )  # (any other entry is still required)
 
 
 @pytest.mark.parametrize("bad", [("window", "3", "min_history", "4"), ("min_history", "2"), ("threshold", "0")])
@@ -89,8 +89,16 @@ def test_a_forced_spike_is_said_recorded_and_the_checkpoint_before_it_kept(tmp_p
     settings = ("--spikes.window", "6", "--spikes.min_history", "4", "--spikes.keep_checkpoint_before")
     keep = ("--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2", "--validation.no-enable")
     one = ("--training.global_batch_size", "8")  # one rank, two microbatches (2 ranks: test_train_resume.py)
-    proc = torchrun(run, "--training.steps", "10", *settings, *keep, *one, nproc=1, script="tests/faulty_trainer.py",
-                    env={"SPIKE_STEPS": "8", "SPIKE_FACTOR": "30"})  # fmt: skip
+    proc = torchrun(
+        run,
+        *("--training.steps", "10"),
+        *settings,
+        *keep,
+        *one,
+        nproc=1,
+        script="tests/faulty_trainer.py",
+        env={"SPIKE_STEPS": "8", "SPIKE_FACTOR": "30"},
+    )
     log = proc.stdout + proc.stderr
     assert "step 8: loss spike, " in log and "checkpoint step-6 kept out of retention" in log
     recorded = spikes.read(str(run))
@@ -110,8 +118,14 @@ def test_a_forced_spike_is_said_recorded_and_the_checkpoint_before_it_kept(tmp_p
 def test_the_report_sets_both_arms_spikes_side_by_side(tmp_path):
     for arm in ("control", "mhar"):
         (tmp_path / arm).mkdir()
-    spikes.append(str(tmp_path / "mhar"), [spikes.Spike(40, "loss", 3.1, 2.4, 0.02, 35.0), spikes.Spike(
-        41, "loss", 2.9, 2.4, 0.02, 25.0), spikes.Spike(41, "grad_norm", 9.0, 0.5, 0.1, 85.0, 40)])  # fmt: skip
+    spikes.append(
+        str(tmp_path / "mhar"),
+        [
+            spikes.Spike(40, "loss", 3.1, 2.4, 0.02, 35.0),
+            spikes.Spike(41, "loss", 2.9, 2.4, 0.02, 25.0),
+            spikes.Spike(41, "grad_norm", 9.0, 0.5, 0.1, 85.0, 40),
+        ],
+    )
     arms = {arm: {"scored": True, **spikes.summary(str(tmp_path / arm))} for arm in ("control", "mhar")}
     text = "\n".join(_spike_lines(arms, "control", "mhar"))
     assert "| loss spikes | 0 | 2 (steps 40, 41); largest at step 40: 3.1 against a median of 2.4, score 35.0 |" in text

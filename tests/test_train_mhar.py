@@ -43,8 +43,9 @@ def test_mhar_tiny_trains_moves_its_gates_and_logs_routing_stats(tmp_path):
         assert total[step] == pytest.approx(ce[step] + z[step], rel=1e-5)
         assert total[step] == pytest.approx(losses[step], rel=1e-5)
     # where each step's time went (a log step's window), shares that add up to the step's wall time on a CPU
-    shares = [scalars[f"time/{k}"] for k in ("data", "forward_backward", "optimizer", "checkpoint", "validation",
-                                               "other")]  # fmt: skip
+    shares = [
+        scalars[f"time/{k}"] for k in ("data", "forward_backward", "optimizer", "checkpoint", "validation", "other")
+    ]
     assert all(list(s) == list(range(1, 11)) for s in shares)
     for step in range(1, 11):
         assert all(0 <= s[step] <= 1 for s in shares) and sum(s[step] for s in shares) == pytest.approx(1, abs=1e-5)

@@ -28,8 +28,10 @@ from mhar_titan.config import parse_config
 from mhar_titan.hf.run import load_run_checkpoint
 
 # A short schedule whose LR does not depend on how many steps each job runs; spikes scored from step 4.
-SCHEDULE = ("--lr_scheduler.total_steps", "8", "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "4",
-            "--spikes.window", "4", "--spikes.min_history", "3")  # fmt: skip
+SCHEDULE = (
+    *("--lr_scheduler.total_steps", "8", "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "4"),
+    *("--spikes.window", "4", "--spikes.min_history", "3"),
+)
 SCHEDULE_EVERY_2 = (*SCHEDULE[:4], "--checkpoint.interval", "2", *SCHEDULE[6:])
 SPIKE_SCORES = ("spikes/loss_score", "spikes/grad_norm_score")
 VALIDATE = ("--validation.freq", "2", "--validation.steps", "1", "--ema.beta", "0.8")
@@ -256,8 +258,11 @@ def test_killed_preempted_and_corrupted_runs_resume_to_the_same_losses(straight,
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
-    return {k: v for key, value in tree.items() for k, v in (
-        _flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}).items()}  # fmt: skip
+    return {
+        k: v
+        for key, value in tree.items()
+        for k, v in (_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value}).items()
+    }
 
 
 def _everything(step_dir: Path, out: Path) -> dict:
@@ -271,14 +276,19 @@ def test_a_stop_during_a_background_save_waits_for_it_and_resumes_to_the_same_lo
     # 1. Saves every 2 steps in torch's checkpoint process (async_with_pinned_mem: staged by a thread while the
     #    next step runs and validation swaps the EMA in). The save of step 4 is held before it writes a byte while
     #    the job gets SIGTERM (components/checkpoint/testing.py): the stop after step 5 waits for it, then saves step 5.
-    proc = torchrun(run, *asynchronous, "--checkpoint.async_mode", "async_with_pinned_mem", env={HOLD_SAVE: "4"},
-                    check=False)  # fmt: skip
+    proc = torchrun(
+        run, *asynchronous, "--checkpoint.async_mode", "async_with_pinned_mem", env={HOLD_SAVE: "4"}, check=False
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 75, log[-3000:]
     # in the trainer's log: the stop found step 4 still being written and waited for it (the checkpoint process
     # logs its release on a stream of its own)
-    events = ["SIGTERM while", "step 5/8", f"for the background save of {ckpt / 'step-4'}",
-              f"{ckpt / 'step-5'}: written and checksummed"]  # fmt: skip
+    events = [
+        "SIGTERM while",
+        "step 5/8",
+        f"for the background save of {ckpt / 'step-4'}",
+        f"{ckpt / 'step-5'}: written and checksummed",
+    ]
     at = [proc.stdout.find(e) for e in events]
     assert -1 not in at and at == sorted(at), dict(zip(events, at, strict=True))
     assert "step-4 released, writing" in log
@@ -291,8 +301,9 @@ def test_a_stop_during_a_background_save_waits_for_it_and_resumes_to_the_same_lo
     want = _everything(straight / "checkpoint" / "step-4", tmp_path / "want.pt")
     got = _everything(ckpt / "step-4", tmp_path / "got.pt")
     assert sorted(got) == sorted(want)
-    assert [k for k in want if not (torch.equal(got[k], want[k]) if torch.is_tensor(want[k]) else got[k] == want[k])
-            ] == []  # fmt: skip
+    assert [
+        k for k in want if not (torch.equal(got[k], want[k]) if torch.is_tensor(want[k]) else got[k] == want[k])
+    ] == []
 
     # 2. Requeued, saving in a background thread (async): the losses, validations and weights of the run that was
     #    never stopped, bit for bit.

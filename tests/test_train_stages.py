@@ -10,8 +10,11 @@ from conftest import torchrun
 from mhar_titan.components.tensorboard_scalars import LOSS_TAG, load_scalars, read_scalars
 
 # tiny_cpu.toml's mixture (docstrings 0.7, code 0.3), then code-heavy from step 5 of 8
-STAGED = ("--data.mixture_stages", "5: docstrings=1 code=9", "--lr_scheduler.total_steps", "8",
-          "--lr_scheduler.warmup_steps", "2", "--checkpoint.interval", "4", "--validation.no-enable")  # fmt: skip
+STAGED = (
+    *("--data.mixture_stages", "5: docstrings=1 code=9"),
+    *("--lr_scheduler.total_steps", "8", "--lr_scheduler.warmup_steps", "2"),
+    *("--checkpoint.interval", "4", "--validation.no-enable"),
+)
 
 
 @pytest.fixture(scope="module")

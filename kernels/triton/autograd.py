@@ -266,16 +266,30 @@ class _RouteSites(torch.autograd.Function):
         # the whole pairs in one launch, or one launch a pair, as the table says
         for paired in [[k for pair in whole for k in pair]] if shape and shape["grouped"] else whole:
             both = host.backward_stats_pair(
-                [grad_outs[k] for k in paired], [logits[k] for k in paired], sources, [sites[k] for k in paired],
-                ctx.num_heads, ctx.eps, rstds, ctx.tables, grads_like=[params[k] for k in paired],
-            )  # fmt: skip
+                [grad_outs[k] for k in paired],
+                [logits[k] for k in paired],
+                sources,
+                [sites[k] for k in paired],
+                ctx.num_heads,
+                ctx.eps,
+                rstds,
+                ctx.tables,
+                grads_like=[params[k] for k in paired],
+            )
             results.update(zip(paired, both, strict=True))
         for k in reached:  # a site whose pair did not reach the loss, or the table asks for single-site passes
             if k not in results:
                 results[k] = host.backward_stats(
-                    grad_outs[k], logits[k], sources, *sites[k], ctx.num_heads, ctx.eps, rstds, ctx.tables,
+                    grad_outs[k],
+                    logits[k],
+                    sources,
+                    *sites[k],
+                    ctx.num_heads,
+                    ctx.eps,
+                    rstds,
+                    ctx.tables,
                     grad_like=params[k],
-                )  # fmt: skip
+                )
         for pair in pairs:
             # the pair's second site first, as two separate calls would sum them: bit for bit the same sums
             for call in [results[k][0] for k in pair][::-1]:

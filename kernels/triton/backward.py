@@ -36,9 +36,24 @@ from kernels.triton.tiles import (
 
 @triton.jit
 def _stats_row(
-    w0do, dl0, dgate, lg_t, c_t, r_t, do, gate, COEF, row, M, plane,
-    D: tl.constexpr, H: tl.constexpr, NUM_SRC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    w0do,
+    dl0,
+    dgate,
+    lg_t,
+    c_t,
+    r_t,
+    do,
+    gate,
+    COEF,
+    row,
+    M,
+    plane,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    NUM_SRC: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """A site's row from its [heads, sources] tiles (the forward's logits, the products c_n =
     <dout, s_n> and the sources' rstd; the null in column 0): its coefficients stored, its sums
     over rows updated; returns them and the per-source B (rstd_n dl_n) the second pass weighs
@@ -76,9 +91,20 @@ def _stats_row(
 
 @triton.jit
 def _store_partials(
-    PARTS, pid, slots, t, w0do, dl0, dgate, cols, mask,
-    D: tl.constexpr, H: tl.constexpr, BLOCK_H: tl.constexpr, EVEN: tl.constexpr,
-):  # fmt: skip
+    PARTS,
+    pid,
+    slots,
+    t,
+    w0do,
+    dl0,
+    dgate,
+    cols,
+    mask,
+    D: tl.constexpr,
+    H: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    EVEN: tl.constexpr,
+):
     """This program's sums over its rows, in its slot `pid` of the `slots` partials (_partials)."""
     hv = tl.arange(0, BLOCK_H)
     T_PART, W0DO_PART, DL0_PART, DGATE_PART = _partials(PARTS, slots, D, H)
@@ -223,14 +249,44 @@ def route_bwd_stats_kernel(
             n_mask = mask & (r + 1 < ROWS) & (row + 1 < M)
             n_do, n_do2, n_a, n_b = lead_tiles(DOUT, DOUT2, SRCS, base + D + cols, n_mask, NUM_SRC, SITES)
         w0do, dl0, dgate, bs = _stats_row(
-            w0do, dl0, dgate, lg_t, c_t, r_t, do, gate, COEF, row, M, plane,
-            D, H, NUM_SRC, BLOCK_H, BLOCK_N,
-        )  # fmt: skip
+            w0do,
+            dl0,
+            dgate,
+            lg_t,
+            c_t,
+            r_t,
+            do,
+            gate,
+            COEF,
+            row,
+            M,
+            plane,
+            D,
+            H,
+            NUM_SRC,
+            BLOCK_H,
+            BLOCK_N,
+        )
         if SITES > 1:
             w0do2, dl02, dgate2, bs2 = _stats_row(
-                w0do2, dl02, dgate2, lg_t2, c_t2, r_t, do2, gate2, COEF2, row, M, plane,
-                D, H, NUM_SRC, BLOCK_H, BLOCK_N,
-            )  # fmt: skip
+                w0do2,
+                dl02,
+                dgate2,
+                lg_t2,
+                c_t2,
+                r_t,
+                do2,
+                gate2,
+                COEF2,
+                row,
+                M,
+                plane,
+                D,
+                H,
+                NUM_SRC,
+                BLOCK_H,
+                BLOCK_N,
+            )
         # the second pass: sum_n B_n s_n, the sources re-read (from L1: the first pass just loaded them)
         for i in tl.static_range(NUM_SRC):
             s = load_raw(SRCS[i] + base + cols, row_mask, EVEN).to(tl.float32)

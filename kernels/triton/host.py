@@ -140,9 +140,21 @@ def _forward_block(sources, sites, num_heads, eps, tables, rstds, out_dtype) -> 
     params = [tuple(t.contiguous() for t in site) for site in sites]
     nulls, queries, norm_weights, gates = (tuple(p[j] for p in params) for j in range(4))
     launch.sites_launcher(
-        grid, warps, consts, srcs, rstd_ptrs, nulls, queries, norm_weights, gates, outs, logits, m, eps,
+        grid,
+        warps,
+        consts,
+        srcs,
+        rstd_ptrs,
+        nulls,
+        queries,
+        norm_weights,
+        gates,
+        outs,
+        logits,
+        m,
+        eps,
         maxnreg=None if interp else shape["maxnreg"],
-    )  # fmt: skip
+    )
     return list(zip(outs, logits, strict=True))
 
 
@@ -166,9 +178,20 @@ def _forward(x, sources, sites, num_heads, eps, tables, rstds, out_dtype) -> lis
     rows = cpu_rows(m) if interp else shape["rows"]
     known, rstd_ptrs = _known_rstds(rstds if shape["given_rstd"] else (), len(srcs), logits[0])
     grid, warps, consts = launch.fwd_launch(
-        m, d, num_heads, len(srcs), xs.element_size(), rows, shape["warps_per_4096"], not interp, known, x is not None,
-        per_program, shape["prefetch"], len(sites) // per_program,
-    )  # fmt: skip
+        m,
+        d,
+        num_heads,
+        len(srcs),
+        xs.element_size(),
+        rows,
+        shape["warps_per_4096"],
+        not interp,
+        known,
+        x is not None,
+        per_program,
+        shape["prefetch"],
+        len(sites) // per_program,
+    )
     per_site = [(*(t.contiguous() for t in site), out, lg) for site, out, lg in zip(sites, outs, logits, strict=True)]
     # per kernel argument, a tuple over the pairs: each pair's first site, then its second (with one site, the
     # first again: not read)
@@ -264,9 +287,19 @@ def _backward_stats(grad_outs, logits, sources, sites, num_heads, eps, rstds, ta
     known, rstd_ptrs = _known_rstds(rstds if shape["given_rstd"] else (), n, works[0])
     groups = len(sites) // per_program
     grid, warps, consts = launch.stats_launch(
-        m, d, num_heads, n, douts[0].element_size(), rows, shape["warps_per_4096"], not interp, known, per_program,
-        shape["prefetch"], groups,
-    )  # fmt: skip
+        m,
+        d,
+        num_heads,
+        n,
+        douts[0].element_size(),
+        rows,
+        shape["warps_per_4096"],
+        not interp,
+        known,
+        per_program,
+        shape["prefetch"],
+        groups,
+    )
     cap = None if interp else shape["maxnreg"]
     per_site = [
         (dout, site.null, lg, site.gate, work[:coef_size], work[coef_size:])

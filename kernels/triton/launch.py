@@ -66,9 +66,15 @@ STATS = {
 # host.backward_stats_pair), from `--tune pair`. A STATS_PAIR entry None takes two single-site
 # stats passes instead; no entry is None now (kernels/README.md, "The launch tables").
 _FWD_PAIR_SHAPES = {  # sources: (rows, register cap, prefetch)
-    1: (4, None, True), 2: (4, None, True), 3: (4, None, True), 4: (2, 128, False),
-    5: (1, None, False), 6: (1, 128, False), 7: (1, 128, False), 8: (2, 128, False),
-}  # fmt: skip
+    1: (4, None, True),
+    2: (4, None, True),
+    3: (4, None, True),
+    4: (2, 128, False),
+    5: (1, None, False),
+    6: (1, 128, False),
+    7: (1, 128, False),
+    8: (2, 128, False),
+}
 FWD_PAIR = {
     n: {"rows": rows, "warps_per_4096": 8, "maxnreg": cap, "given_rstd": True, "prefetch": prefetch}
     for n, (rows, cap, prefetch) in _FWD_PAIR_SHAPES.items()
@@ -173,9 +179,18 @@ class Launcher:
         grid = (*grid, 1, 1)
         stream = torch._C._cuda_getCurrentRawStream(device)
         binary.run(
-            grid[0], grid[1], grid[2], stream, binary.function, binary.packed_metadata, None, None, None,
-            *args, *consts.values(),
-        )  # fmt: skip
+            grid[0],
+            grid[1],
+            grid[2],
+            stream,
+            binary.function,
+            binary.packed_metadata,
+            None,
+            None,
+            None,
+            *args,
+            *consts.values(),
+        )
 
 
 fwd_launcher = Launcher(route_fwd_kernel)
@@ -268,9 +283,16 @@ def row_launch(
 
 @functools.cache
 def sites_launch(
-    m: int, d: int, num_heads: int, num_sources: int, itemsize: int, rows: int, warps_per_4096: int, joint: bool,
+    m: int,
+    d: int,
+    num_heads: int,
+    num_sources: int,
+    itemsize: int,
+    rows: int,
+    warps_per_4096: int,
+    joint: bool,
     sites: int,
-) -> tuple:  # fmt: skip
+) -> tuple:
     """(grid, num_warps, constexprs) of the block kernel (route_fwd_sites_kernel), in its signature's order."""
     grid, warps, consts = row_launch(m, d, num_heads, num_sources, itemsize, rows, warps_per_4096, joint)
     order = ("D", "H", "K", "NUM_SRC", "SITES", "BLOCK_H", "BLOCK_S", "BLOCK_I", "BLOCK_N", "ROWS", "EVEN", "JOINT")
@@ -279,9 +301,20 @@ def sites_launch(
 
 @functools.cache
 def fwd_launch(
-    m: int, d: int, num_heads: int, num_sources: int, itemsize: int, rows: int, warps_per_4096: int, joint: bool,
-    known: int, has_x: bool, sites: int, prefetch: bool, groups: int,
-) -> tuple:  # fmt: skip
+    m: int,
+    d: int,
+    num_heads: int,
+    num_sources: int,
+    itemsize: int,
+    rows: int,
+    warps_per_4096: int,
+    joint: bool,
+    known: int,
+    has_x: bool,
+    sites: int,
+    prefetch: bool,
+    groups: int,
+) -> tuple:
     """(grid, num_warps, constexprs) of the forward over `groups` groups of `sites` sites (a program per row block
     and group)."""
     grid, warps, consts = row_launch(
@@ -292,9 +325,19 @@ def fwd_launch(
 
 @functools.cache
 def stats_launch(
-    m: int, d: int, num_heads: int, num_sources: int, itemsize: int, rows: int, warps_per_4096: int, joint: bool,
-    known: int, sites: int, prefetch: bool, groups: int,
-) -> tuple:  # fmt: skip
+    m: int,
+    d: int,
+    num_heads: int,
+    num_sources: int,
+    itemsize: int,
+    rows: int,
+    warps_per_4096: int,
+    joint: bool,
+    known: int,
+    sites: int,
+    prefetch: bool,
+    groups: int,
+) -> tuple:
     """(grid, num_warps, constexprs) of the stats kernel over `groups` groups of `sites` sites (a program per
     row block and group)."""
     grid, warps, consts = row_launch(

@@ -144,8 +144,10 @@ def _recipe_check(c_run: Path, m_run: Path) -> dict[str, Any]:
     if None in recorded:
         return {"identical": None, "differences": []}
     diffs = [d for d in fingerprint.differences(*recorded) if d[:2] != ("model", "mhar")]
-    lines = [line.replace(" in the run, ", " in control, ").removesuffix(" now") + " in mhar"
-             for line in fingerprint.describe(diffs)]  # fmt: skip
+    lines = [
+        line.replace(" in the run, ", " in control, ").removesuffix(" now") + " in mhar"
+        for line in fingerprint.describe(diffs)
+    ]
     return {"identical": not diffs, "differences": lines}
 
 
@@ -263,7 +265,7 @@ def compare(
         "spikes": {
             arm: {"scored": "spikes/loss_count" in s, **spikes.summary(str(run))}
             for arm, run, s in (("control", c_run, cs), ("mhar", m_run, ms))
-        },  # fmt: skip
+        },
     }
     plots = [*routing_plots, *([schedule_plot] if schedule_plot else [])]
     _write_report(result, out, c_loss, m_loss, deltas, plots, control, mhar)

@@ -219,11 +219,15 @@ def _spike_lines(s: dict[str, Any] | None, control: str, mhar: str) -> list[str]
         if top is None:
             return "0"
         at = _steps_text(arm[tag]["steps"])
-        return (f"{arm[tag]['count']} (steps {at}); largest at step {top['step']}: {top['value']:.4g} against a "
-                f"median of {top['median']:.4g}, score {top['score']:.1f}")  # fmt: skip
+        return (
+            f"{arm[tag]['count']} (steps {at}); largest at step {top['step']}: {top['value']:.4g} against a "
+            f"median of {top['median']:.4g}, score {top['score']:.1f}"
+        )
 
-    rows = [f"| {name} | {cell(s['control'], tag)} | {cell(s['mhar'], tag)} |"
-            for tag, name in (("loss", "loss spikes"), ("grad_norm", "gradient-norm spikes"))]  # fmt: skip
+    rows = [
+        f"| {name} | {cell(s['control'], tag)} | {cell(s['mhar'], tag)} |"
+        for tag, name in (("loss", "loss spikes"), ("grad_norm", "gradient-norm spikes"))
+    ]
     return ["## Spikes", "", f"| | {control} | {mhar} |", "|---|---|---|", *rows, ""]
 
 

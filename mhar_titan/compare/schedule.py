@@ -54,8 +54,11 @@ def summary(cs: dict[str, Series], ms: dict[str, Series], c_run: Path) -> dict[s
         shares = {}
         for arm, scalars in (("control", cs), ("mhar", ms)):
             at = [s for s in scalars.get(STAGE_TAG, {}) if s >= first and (end is None or s < end)]
-            shares[arm] = {t.removeprefix(SHARE_PREFIX): v[max(at)] for t, v in scalars.items()
-                           if t.startswith(SHARE_PREFIX) and at and max(at) in v}  # fmt: skip
+            shares[arm] = {
+                t.removeprefix(SHARE_PREFIX): v[max(at)]
+                for t, v in scalars.items()
+                if t.startswith(SHARE_PREFIX) and at and max(at) in v
+            }
         stages.append({"number": number, "first_step": first, "weights": weights.get(number), "shares": shares})
     return {"stages": stages}
 
@@ -80,8 +83,16 @@ def plot(out: Path, cs: dict[str, Series], ms: dict[str, Series], stages: dict[s
         label = f"stage {stage['number']}"
         if stage["weights"]:
             label += ": " + ", ".join(f"{n} {w:.0%}" for n, w in stage["weights"].items())
-        ax.annotate(label, (stage["first_step"], 0.98), xycoords=("data", "axes fraction"), rotation=90,
-                    va="top", ha="right", fontsize=8, color="C3")  # fmt: skip
+        ax.annotate(
+            label,
+            (stage["first_step"], 0.98),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=8,
+            color="C3",
+        )
     ax.set(xlabel="step", ylabel="learning rate", title="LR schedule and mixture stages")
     ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
@@ -96,11 +107,15 @@ def report_lines(stages: dict[str, Any] | None, drawn: bool) -> list[str]:
     lines = ["## Schedule and mixture stages", "", f"![LR schedule and mixture stages]({PNG})", ""]
     if not stages:
         return [*lines, "One mixture stage: the mixture's own weights throughout (no `[data] mixture_stages`).", ""]
-    lines += ["| stage | from step | weights | share in the stage, control | share in the stage, mhar |",
-              "|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "| stage | from step | weights | share in the stage, control | share in the stage, mhar |",
+        "|---|---|---|---|---|",
+    ]
     for st in stages["stages"]:
         weights = ", ".join(f"{n} {w:.1%}" for n, w in st["weights"].items()) if st["weights"] else "n/a"
-        cells = [", ".join(f"{n} {v:.1%}" for n, v in sorted(st["shares"][arm].items())) or "n/a"
-                 for arm in ("control", "mhar")]  # fmt: skip
+        cells = [
+            ", ".join(f"{n} {v:.1%}" for n, v in sorted(st["shares"][arm].items())) or "n/a"
+            for arm in ("control", "mhar")
+        ]
         lines.append(f"| {st['number']} | {st['first_step']} | {weights} | {cells[0]} | {cells[1]} |")
     return [*lines, "", "(Shares: of the tokens the stage had delivered at its last logged step, over all ranks.)", ""]

@@ -108,8 +108,9 @@ class WeightEMA(Stateful):
         if not self.ready:
             raise RuntimeError("WeightEMA.swapped_in before start(): the EMA has no weights yet")
         shadows, params = self._pairs()
-        in_place = all(p.dtype == s.dtype and p.is_contiguous() and s.is_contiguous()
-                       for p, s in zip(params, shadows, strict=True))  # fmt: skip
+        in_place = all(
+            p.dtype == s.dtype and p.is_contiguous() and s.is_contiguous() for p, s in zip(params, shadows, strict=True)
+        )
         with torch.no_grad():
             if in_place:
                 _exchange(params, shadows)

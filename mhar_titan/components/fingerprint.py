@@ -144,8 +144,11 @@ def data_group(
         stages = parse_stages(cfg, [s.name for s in sources], [s.weight for s in sources], None)
         optional["mixture_stages"] = StageSchedule(stages).describe([s.name for s in sources])[1:]
     for key, default in (
-        ("on_source_exhausted", "repeat"), ("bos", "auto"), ("validation_sets", []), ("loss_on_document_start", True)
-    ):  # fmt: skip
+        ("on_source_exhausted", "repeat"),
+        ("bos", "auto"),
+        ("validation_sets", []),
+        ("loss_on_document_start", True),
+    ):
         if getattr(cfg, key) != default:
             optional[key] = getattr(cfg, key)
     if contents is not None:

@@ -38,8 +38,10 @@ class Spike:
 
     def line(self, threshold: float, window: int) -> str:
         kept = "" if self.kept_checkpoint is None else f"; checkpoint step-{self.kept_checkpoint} kept out of retention"
-        return (f"step {self.step}: {self.tag} spike, {self.value:.4g} against a median of {self.median:.4g} over the "
-                f"last {window} steps (robust score {self.score:.1f}, threshold {threshold:g}){kept}")  # fmt: skip
+        return (
+            f"step {self.step}: {self.tag} spike, {self.value:.4g} against a median of {self.median:.4g} over the "
+            f"last {window} steps (robust score {self.score:.1f}, threshold {threshold:g}){kept}"
+        )
 
 
 class SpikeMonitor:

@@ -20,8 +20,14 @@ import torch
 from mhar_titan.components.hooks import Hook, Step
 
 SHARES = ("data", "forward_backward", "optimizer", "checkpoint", "validation")
-SHORT = {"data": "data", "forward_backward": "fwd+bwd", "optimizer": "opt", "checkpoint": "ckpt",
-         "validation": "val", "other": "other"}  # fmt: skip
+SHORT = {
+    "data": "data",
+    "forward_backward": "fwd+bwd",
+    "optimizer": "opt",
+    "checkpoint": "ckpt",
+    "validation": "val",
+    "other": "other",
+}
 
 
 class StepPhases:

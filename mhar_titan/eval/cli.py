@@ -45,20 +45,37 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep <pair>/eval/<arm>-<weights>-step-N once evaluated (removed otherwise, also on errors)",
     )
-    p.add_argument(UNSAFE_FLAG, action="store_true", help="allow tasks that run the code the model generates "
-                   "(humaneval, mbpp: lm-eval's confirm_run_unsafe_code); run them in a sandbox")  # fmt: skip
+    p.add_argument(
+        UNSAFE_FLAG,
+        action="store_true",
+        help="allow tasks that run the code the model generates "
+        "(humaneval, mbpp: lm-eval's confirm_run_unsafe_code); run them in a sandbox",
+    )
     mode = p.add_mutually_exclusive_group()
     watching = "evaluate every kept step of both arms as it lands, into <pair>/eval/store, until both runs finish"
     mode.add_argument("--watch", action="store_true", help=f"{watching} (their [training] steps) or SIGTERM")
-    mode.add_argument("--once", action="store_true", help="as --watch, but evaluate the kept steps not yet evaluated "
-                      "and exit")  # fmt: skip
+    mode.add_argument(
+        "--once", action="store_true", help="as --watch, but evaluate the kept steps not yet evaluated and exit"
+    )
     p.add_argument("--poll", type=float, default=300.0, help="with --watch: seconds between looks (default 300)")
-    p.add_argument("--settle", type=float, default=60.0, help="with --watch/--once: a checkpoint without checksums "
-                   "is read once its .metadata is this many seconds old (default 60)")  # fmt: skip
-    p.add_argument("--scratch", default=None, help="with --watch/--once: the folder for the exports (default "
-                   "<pair>/eval; node-local disk is faster); they are removed after each evaluation")  # fmt: skip
-    p.add_argument("--no-base", action="store_true", help="with --watch/--once: no base column (the base is "
-                   "otherwise evaluated once as step 0)")  # fmt: skip
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=60.0,
+        help="with --watch/--once: a checkpoint without checksums "
+        "is read once its .metadata is this many seconds old (default 60)",
+    )
+    p.add_argument(
+        "--scratch",
+        default=None,
+        help="with --watch/--once: the folder for the exports (default "
+        "<pair>/eval; node-local disk is faster); they are removed after each evaluation",
+    )
+    p.add_argument(
+        "--no-base",
+        action="store_true",
+        help="with --watch/--once: no base column (the base is otherwise evaluated once as step 0)",
+    )
     return p
 
 
@@ -91,8 +108,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"{PROG}: {e}")
     except Stopped as e:
         where = f"; the evaluation of {e.in_flight} was aborted" if getattr(e, "in_flight", "") else ""
-        print(f"{PROG}: stopped by {e}{where}, scratch exports removed; {getattr(e, 'records', 0)} records in the "
-              "store; the same command resumes", file=sys.stderr)  # fmt: skip
+        print(
+            f"{PROG}: stopped by {e}{where}, scratch exports removed; {getattr(e, 'records', 0)} records in the "
+            "store; the same command resumes",
+            file=sys.stderr,
+        )
         sys.exit(128 + e.signum)
     except KeyboardInterrupt as e:
         print(f"{PROG}: {e or 'interrupted'}", file=sys.stderr)

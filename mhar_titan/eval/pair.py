@@ -59,8 +59,10 @@ def common_step(pair: Path, step: int | None) -> int:
             raise ValueError(f"{pair}: step {step} is not a complete checkpoint of both arms (both have {both})")
         return step
     if not both:
-        raise ValueError(f"{pair}: no step with a complete checkpoint in both arms ({ARMS[0]}: {sorted(have[0])}, "
-                         f"{ARMS[1]}: {sorted(have[1])})")  # fmt: skip
+        raise ValueError(
+            f"{pair}: no step with a complete checkpoint in both arms ({ARMS[0]}: {sorted(have[0])}, "
+            f"{ARMS[1]}: {sorted(have[1])})"
+        )
     return both[-1]
 
 

@@ -61,8 +61,14 @@ def progress(records: dict[Key, dict], settings: dict[str, Any], skipped: dict[i
                 r["base_stderr"] = _number(values.get(r["metric"].replace(",", "_stderr,", 1)))
             results[weights][step] = rows
     evaluated = sorted(set().union(*(set(by_step) for by_step in results.values())))
-    return {"tasks": tasks, "settings": settings, "base": base_rows(base, tasks), "steps": evaluated,
-            "skipped": {int(s): why for s, why in sorted(skipped.items())}, "results": results}  # fmt: skip
+    return {
+        "tasks": tasks,
+        "settings": settings,
+        "base": base_rows(base, tasks),
+        "steps": evaluated,
+        "skipped": {int(s): why for s, why in sorted(skipped.items())},
+        "results": results,
+    }
 
 
 def base_rows(base: dict[str, Any] | None, tasks: list[str]) -> list[dict[str, Any]]:
@@ -89,13 +95,18 @@ def markdown(report: dict[str, Any], base_note: str, plot: Path | None) -> str:
     s = report["settings"]
     shots = ", ".join(f"{t} {'default' if n is None else n}" for t, n in s["num_fewshot"].items())
     which = " and ".join(LABEL.get(w, w) for w in s["weights"])
-    lines = [REPORT_START, "## Evaluation (lm-evaluation-harness)", "",
-             f"Every kept checkpoint that both arms have, {which} weights, evaluated as it landed "
-             f"(`python -m mhar_titan.eval --watch`/`--once`) with the same settings: tasks {', '.join(s['tasks'])}"
-             f"{' (suite ' + s['suite'] + ')' if s.get('suite') else ''}; shots: {shots}; "
-             f"{s['limit'] or 'all'} documents per task; {s['dtype']} on {s['device']}, batch size {s['batch_size']}; "
-             f"lm-eval {s['lm_eval']}. The base column is {base_note}. delta = MHAR - control with a paired stderr "
-             "and 95% CI over the same documents.", ""]  # fmt: skip
+    lines = [
+        REPORT_START,
+        "## Evaluation (lm-evaluation-harness)",
+        "",
+        f"Every kept checkpoint that both arms have, {which} weights, evaluated as it landed "
+        f"(`python -m mhar_titan.eval --watch`/`--once`) with the same settings: tasks {', '.join(s['tasks'])}"
+        f"{' (suite ' + s['suite'] + ')' if s.get('suite') else ''}; shots: {shots}; "
+        f"{s['limit'] or 'all'} documents per task; {s['dtype']} on {s['device']}, batch size {s['batch_size']}; "
+        f"lm-eval {s['lm_eval']}. The base column is {base_note}. delta = MHAR - control with a paired stderr "
+        "and 95% CI over the same documents.",
+        "",
+    ]
     if report["skipped"]:
         lines += [f"Not evaluated: {skipped_text(report['skipped'])}.", ""]
     if not report["steps"]:
@@ -136,8 +147,12 @@ def over_steps(report: dict[str, Any]) -> list[str]:
     lines = []
     for task, metric in _metrics(report, None):
         head = " | ".join(f"control ({w}) | mhar ({w}) | delta ({w}) | 95% CI ({w})" for w in every)
-        lines += [f"**{task} {metric.removesuffix(',none')}**", "", f"| step | {head} |",
-                  "|---" * (1 + 4 * len(every)) + "|"]  # fmt: skip
+        lines += [
+            f"**{task} {metric.removesuffix(',none')}**",
+            "",
+            f"| step | {head} |",
+            "|---" * (1 + 4 * len(every)) + "|",
+        ]
         base = next((r["control"] for r in report["base"] if (r["task"], r["metric"]) == (task, metric)), None)
         if base is not None:
             lines.append("| 0 (base) | " + " | ".join(f"{base:.4f} | {base:.4f} | - | -" for _ in every) + " |")
@@ -203,8 +218,10 @@ def _draw(report: dict[str, Any], task: str, metric: str, top: Any, bottom: Any)
             )
             top.plot(xs, ys, STYLE.get(weights, ":"), color=COLOUR[arm], marker="o", ms=3, label=f"{arm} ({weights})")
         ci = [r["delta_ci"] or [r["delta"], r["delta"]] for _, r in rows]
-        errors = [[r["delta"] - c[0] for (_, r), c in zip(rows, ci, strict=True)],
-                  [c[1] - r["delta"] for (_, r), c in zip(rows, ci, strict=True)]]  # fmt: skip
+        errors = [
+            [r["delta"] - c[0] for (_, r), c in zip(rows, ci, strict=True)],
+            [c[1] - r["delta"] for (_, r), c in zip(rows, ci, strict=True)],
+        ]
         shift = (k - 0.5) * 0.01 * max(steps or [1])
         style = dict(fmt="o" + STYLE.get(weights, ":"), color="C2" if weights == "raw" else "C3", capsize=3, ms=3)
         bottom.errorbar([s + shift for s in steps], [r["delta"] for _, r in rows], yerr=errors, label=weights, **style)

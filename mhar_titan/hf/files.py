@@ -111,8 +111,9 @@ def check_new_output(out_dir: str, verb: str = "export") -> None:
     storage (a prefix with anything under it), before any work."""
     if "://" in out_dir:
         if entries := remote_folder(out_dir, verb).check(replace=False, log=print):
-            raise FileExistsError(f"{out_dir} already exists ({len(entries)} entries, e.g. {entries[0]}); {verb} "
-                                  "into a new folder")  # fmt: skip
+            raise FileExistsError(
+                f"{out_dir} already exists ({len(entries)} entries, e.g. {entries[0]}); {verb} into a new folder"
+            )
         return
     if os.path.lexists(out_dir):
         raise FileExistsError(f"{out_dir} already exists; {verb} into a new directory")

@@ -236,9 +236,14 @@ class MHARTransformer(Transformer):
             block_sum = None
             for layer, routed in zip(block, self.route_block(block, sources), strict=True):
                 h, delta, site_stats = layer(
-                    h, self.freqs_cis, attention_masks, positions, routed=routed, want_stats=want_stats,
+                    h,
+                    self.freqs_cis,
+                    attention_masks,
+                    positions,
+                    routed=routed,
+                    want_stats=want_stats,
                     block_sum=block_sum,
-                )  # fmt: skip
+                )
                 block_sum = delta if feeds else None
                 stats.append(site_stats)
             if feeds:

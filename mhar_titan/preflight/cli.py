@@ -48,8 +48,17 @@ from mhar_titan.preflight.resume import resume_check
 from mhar_titan.preflight.stages import Stage, failed, table
 
 ARMS = ("control", "mhar")
-STAGE_NAMES = dict(a="environment", b="kernels", c="hardware", d="pair: train, kill, resume", e="speed and memory",
-                   f="graft's start", g="exports", h="evaluation", i="report")  # fmt: skip
+STAGE_NAMES = dict(
+    a="environment",
+    b="kernels",
+    c="hardware",
+    d="pair: train, kill, resume",
+    e="speed and memory",
+    f="graft's start",
+    g="exports",
+    h="evaluation",
+    i="report",
+)
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -87,8 +96,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def _probe(out: Path, nproc: int, cuda: bool, geometry: dict[str, int]) -> list[Stage]:
     began = time.monotonic()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
-           str(nproc), "-m", "mhar_titan.preflight.probe", "--out", str(out)]  # fmt: skip
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1"),
+        *("--nproc-per-node", str(nproc), "-m", "mhar_titan.preflight.probe", "--out", str(out)),
+    ]
     for key, value in geometry.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     env = {**os.environ} if cuda else {**os.environ, "TRITON_INTERPRET": "1"}
@@ -184,10 +195,16 @@ class Preflight:
         t = cfg.training
         attention = f"{t.local_batch_size},{geo.heads},{t.seq_len},{geo.dim // geo.heads}"
         layout = SourceLayout(cfg.mhar.num_blocks, geo.layers)  # at the config's depth
-        geometry = dict(dim=geo.dim, num_heads=cfg.mhar.num_heads, max_sources=layout.max_sources,
-                        sites=layout.sites_per_block,  # a block's: what the run routes at once
-                        tokens=tokens, gemm_hidden=geo.hidden, block_elements=geo.layer_params,
-                        attention=attention)  # fmt: skip
+        geometry = dict(
+            dim=geo.dim,
+            num_heads=cfg.mhar.num_heads,
+            max_sources=layout.max_sources,
+            sites=layout.sites_per_block,  # a block's: what the run routes at once
+            tokens=tokens,
+            gemm_hidden=geo.hidden,
+            block_elements=geo.layer_params,
+            attention=attention,
+        )
         (self.root / "probe").mkdir(parents=True, exist_ok=True)
         rows = _probe(self.root / "probe", self.nproc, self.cuda, geometry)
         for r in rows:
@@ -205,8 +222,11 @@ class Preflight:
         self.plan_peaks = None
         if self.cuda:
             mode = self.plan_cfg.activation_checkpoint.mode
-            self.plan_peaks = {arm: plan.estimate(plan.geometry(self.plan_cfg, self.nproc, arm == "mhar", self.layers),
-                                                  mode)["peak"] / plan.GIB for arm in ARMS}  # fmt: skip
+            self.plan_peaks = {
+                arm: plan.estimate(plan.geometry(self.plan_cfg, self.nproc, arm == "mhar", self.layers), mode)["peak"]
+                / plan.GIB
+                for arm in ARMS
+            }
         geo = plan.geometry(self.plan_cfg, 1, True, self.layers)
         ema = self.cfgs["control"].ema.enable
         self.checkpoint_bytes = geo.params * (4 + 8 + (4 if ema else 0))
@@ -236,23 +256,32 @@ class Preflight:
     def settings(self) -> PairSettings:
         steps = self.args.steps
         at = steps // 2
-        return PairSettings(steps, at, at + max(2, (steps - at) // 2), self.nproc, self.root / "pair",
-                            self.root / "logs", sys.executable)  # fmt: skip
+        return PairSettings(
+            steps,
+            at,
+            at + max(2, (steps - at) // 2),
+            self.nproc,
+            self.root / "pair",
+            self.root / "logs",
+            sys.executable,
+        )
 
     def pair_overrides(self, base: str, s: PairSettings) -> list[str]:
         t = self.cfgs["control"].training
         val_steps = "4" if self.cuda else "2"
-        return [*self.overrides,
-                "--model.flavor", "hf", "--model.hf_assets_path", base, "--checkpoint.initial_load_in_hf",
-                "--training.steps", str(s.steps), "--training.global_batch_size", str(t.local_batch_size * s.nproc),
-                "--checkpoint.enable", "--checkpoint.folder", FOLDER,
-                "--checkpoint.interval", str(s.checkpoint_at), "--checkpoint.keep_latest_k", "2",
-                "--checkpoint.keep_every", "0",
-                "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
-                "--validation.enable", "--validation.freq", str(math.gcd(s.kill_after, s.steps)),
-                "--validation.steps", val_steps,
-                "--validation.at_start",
-                *moved_stages(self.cfgs["control"], s)[0]]  # fmt: skip
+        return [
+            *self.overrides,
+            *("--model.flavor", "hf", "--model.hf_assets_path", base, "--checkpoint.initial_load_in_hf"),
+            *("--training.steps", str(s.steps), "--training.global_batch_size", str(t.local_batch_size * s.nproc)),
+            *("--checkpoint.enable", "--checkpoint.folder", FOLDER),
+            *("--checkpoint.interval", str(s.checkpoint_at), "--checkpoint.keep_latest_k", "2"),
+            *("--checkpoint.keep_every", "0"),
+            *("--metrics.log_freq", "1", "--metrics.enable_tensorboard"),
+            *("--validation.enable", "--validation.freq", str(math.gcd(s.kill_after, s.steps))),
+            *("--validation.steps", val_steps),
+            "--validation.at_start",
+            *moved_stages(self.cfgs["control"], s)[0],
+        ]
 
     def link_checkpoints(self, s: PairSettings) -> None:
         for arm in ARMS:
@@ -287,8 +316,12 @@ class Preflight:
                     once = [*overrides, "--checkpoint.interval", str(s.steps)]
                     killed = resumed = run_resumed(path, arm, s, once, drop_loaded=False, resumes=False)
                     check = None
-                arms[arm] = {"killed": killed, "resumed": resumed, "resume": check,
-                             "gates": gates_moved(resumed["scalars"]) if arm == "mhar" else None}  # fmt: skip
+                arms[arm] = {
+                    "killed": killed,
+                    "resumed": resumed,
+                    "resume": check,
+                    "gates": gates_moved(resumed["scalars"]) if arm == "mhar" else None,
+                }
                 # The arm's exports now, from its last checkpoint, then its checkpoints go: one arm's two
                 # checkpoints at a time on the scratch disk.
                 exporting = time.monotonic()
@@ -351,9 +384,11 @@ class Preflight:
         self.add(stage)
         if "h" in self.wanted and stage.ok:
             dtype = "bf16" if self.cuda else "fp32"
-            cmd = [sys.executable, "-m", "mhar_titan.preflight.evaluate", str(s.pair), str(exports),
-                   "--step", str(s.steps), "--tasks", self.args.tasks,
-                   "--device", device, "--dtype", dtype]  # fmt: skip
+            cmd = [
+                *(sys.executable, "-m", "mhar_titan.preflight.evaluate", str(s.pair), str(exports)),
+                *("--step", str(s.steps), "--tasks", self.args.tasks),
+                *("--device", device, "--dtype", dtype),
+            ]
             if self.args.limit:
                 cmd += ["--limit", str(self.args.limit)]
             code, seconds = _run(cmd, self.root / "logs" / "evaluate.log")

@@ -53,8 +53,12 @@ def attention_repeatable(batch: int, heads: int, seq: int, head_dim: int, device
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
     grad_out = torch.randn(shape, device=device, dtype=dtype, generator=gen)
     was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    record: dict[str, Any] = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
-                              "deterministic_algorithms": was, **_repeats(q, k, v, grad_out)}  # fmt: skip
+    record: dict[str, Any] = {
+        "shape": list(shape),
+        "dtype": str(dtype).removeprefix("torch."),
+        "deterministic_algorithms": was,
+        **_repeats(q, k, v, grad_out),
+    }
     try:
         torch.use_deterministic_algorithms(True)
         record["deterministic"] = _repeats(q, k, v, grad_out)

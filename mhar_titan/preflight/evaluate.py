@@ -64,8 +64,9 @@ def metrics_of(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]
     }
 
 
-def evaluate_exports(pair: Path, exports: Path, step: int, tasks: list[str], args: argparse.Namespace,
-                     result: dict[str, Any]) -> None:  # fmt: skip
+def evaluate_exports(
+    pair: Path, exports: Path, step: int, tasks: list[str], args: argparse.Namespace, result: dict[str, Any]
+) -> None:
     """Both arms' exported folders (raw and EMA) through lm-eval and paired; `result` is filled as it goes."""
     folders = {name: exports / name for name in MODELS}
     missing = [str(f) for f in folders.values() if not (f / "config.json").is_file()]
@@ -142,13 +143,19 @@ def eval_stage(path: Path, seconds: float) -> Stage:
         f"{result.get('limit') or 'all'} documents per task, batch size {result.get('batch_size')}"
     )
     if result.get("refused"):
-        return failed(KEY, NAME, result["error"], seconds, [
-            f"lm-evaluation-harness refused the tasks before any model ran ({settings}): {result['error']}.",
-            "",
-            "What to do: check the task names (`lm-eval ls tasks`), and put their datasets in this machine's HF "
-            "datasets cache (run lm-eval once with network, or copy the cache: HF_DATASETS_CACHE); the evaluation "
-            "runs offline, as the long pair's will.",
-        ])  # fmt: skip
+        return failed(
+            KEY,
+            NAME,
+            result["error"],
+            seconds,
+            [
+                f"lm-evaluation-harness refused the tasks before any model ran ({settings}): {result['error']}.",
+                "",
+                "What to do: check the task names (`lm-eval ls tasks`), and put their datasets in this machine's HF "
+                "datasets cache (run lm-eval once with network, or copy the cache: HF_DATASETS_CACHE); the evaluation "
+                "runs offline, as the long pair's will.",
+            ],
+        )
     details = [
         f"Both arms' exports of step {result.get('step')} (stage g, raw and EMA weights) through "
         f"lm-evaluation-harness, {settings}; delta = MHAR - control with a paired stderr and 95% CI over the "

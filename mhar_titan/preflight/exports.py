@@ -132,16 +132,32 @@ def read_back(folder: Path, arm: str, batch: torch.Tensor, entry: dict[str, Any]
     return logits
 
 
-def check_export(pair: Path, out: Path, arm: str, weights: str, step: int, device: torch.device, tokens: int,
-                 entry: dict[str, Any], dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+def check_export(
+    pair: Path,
+    out: Path,
+    arm: str,
+    weights: str,
+    step: int,
+    device: torch.device,
+    tokens: int,
+    entry: dict[str, Any],
+    dtype: torch.dtype = torch.float32,
+) -> None:
     """One export written, read back and compared; `entry` is filled as it goes (a crash keeps what was measured)."""
     run, folder = pair / arm, out / f"{arm}-{weights}"
     shutil.rmtree(folder, ignore_errors=True)  # an earlier preflight's, into the same OUT
     began = time.perf_counter()
     # The checkpoint's files are verified against their checksums once per arm, by its first export: the EMA's
     # export reads the same files.
-    export_run(str(run), str(folder), step=step, ema=weights == "ema", dtype=dtype, verify=weights == WEIGHTS[0],
-               log=lambda line: print(f"[exports] {arm}-{weights}: {line}", flush=True))  # fmt: skip
+    export_run(
+        str(run),
+        str(folder),
+        step=step,
+        ema=weights == "ema",
+        dtype=dtype,
+        verify=weights == WEIGHTS[0],
+        log=lambda line: print(f"[exports] {arm}-{weights}: {line}", flush=True),
+    )
     entry["export_seconds"] = round(time.perf_counter() - began, 2)
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     batch, entry["token_ids_below"] = token_batch(folder, vocab, tokens)  # the same batch for both models

@@ -62,8 +62,10 @@ def moved_stages(job_config: Any, s: PairSettings) -> tuple[list[str], str]:
     later = schedule.stages[1:]
     span = s.kill_after - s.checkpoint_at
     starts = [s.checkpoint_at + 1 + (j + 1) * span // (len(later) + 1) for j in range(len(later))]
-    entries = [f"{start}: " + " ".join(f"{n}={w!r}" for n, w in zip(names, st.weights, strict=True))
-               for start, st in zip(starts, later, strict=True)]  # fmt: skip
+    entries = [
+        f"{start}: " + " ".join(f"{n}={w!r}" for n, w in zip(names, st.weights, strict=True))
+        for start, st in zip(starts, later, strict=True)
+    ]
     moved = ", ".join(f"{st.start} -> {start}" for start, st in zip(starts, later, strict=True))
     return ["--data.mixture_stages", ",".join(entries)], f"mixture stages moved to this run's steps ({moved})"
 

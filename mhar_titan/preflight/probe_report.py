@@ -158,9 +158,20 @@ def environment_stage(records: dict[int, dict[str, Any]], problems: list[str], s
         device = env.get("gpu_name") or f"CPU {env.get('cpu_name', '')}".strip()
         memory = f"{_gib(env['memory_free_bytes'])} / {_gib(env['memory_total_bytes'])} ({env['memory_kind']})"
         details.append(
-            _row(rank, env["hostname"], env["local_rank"], env["python"], env["torch"], env.get("torch_cuda"),
-                 env["triton"], env["torchtitan"], env.get("driver"), device, memory)
-        )  # fmt: skip
+            _row(
+                rank,
+                env["hostname"],
+                env["local_rank"],
+                env["python"],
+                env["torch"],
+                env.get("torch_cuda"),
+                env["triton"],
+                env["torchtitan"],
+                env.get("driver"),
+                device,
+                memory,
+            )
+        )
     if problems or not envs:
         return _fail("a", problems, "no rank recorded its environment", seconds, details)
     env = envs[min(envs)]
@@ -341,8 +352,12 @@ def hardware_stage(records: dict[int, dict[str, Any]], problems: list[str], seco
             for rank, dev in outliers(values).items():
                 way = "slower" if dev > 0 else "faster"
                 problems.append(f"rank {rank}: {label} {abs(dev):.0%} {way} than the median over ranks")
-    details = _header("rank", "GEMM ms", "TFLOP/s", *[f"{label} {unit}" for label in collectives.values()
-                                                      for unit in ("ms", "algbw GB/s", "busbw GB/s")])  # fmt: skip
+    details = _header(
+        "rank",
+        "GEMM ms",
+        "TFLOP/s",
+        *[f"{label} {unit}" for label in collectives.values() for unit in ("ms", "algbw GB/s", "busbw GB/s")],
+    )
     for rank, r in results.items():
         cells = [f"{r['gemm']['seconds'] * 1e3:.3g}", f"{r['gemm']['tflops']:.3g}"]
         for key in collectives:

@@ -82,8 +82,11 @@ def resume_check(killed: Scalars, resumed: Scalars, checkpoint_at: int, rerun: S
         steps = [s for s in steps if s in rerun.get("train/loss", {})]
     tags = compared_tags(killed)
     differ = _differences(killed, resumed, tags, steps)
-    loss = [(abs(resumed["train/loss"][s] - killed["train/loss"][s]), abs(killed["train/loss"][s]))
-            for s in steps if s in resumed.get("train/loss", {})]  # fmt: skip
+    loss = [
+        (abs(resumed["train/loss"][s] - killed["train/loss"][s]), abs(killed["train/loss"][s]))
+        for s in steps
+        if s in resumed.get("train/loss", {})
+    ]
     first = steps[0] if steps else None
     check = {
         # the first resumed step's loss comes from the restored weights and data alone
@@ -104,12 +107,18 @@ def resume_check(killed: Scalars, resumed: Scalars, checkpoint_at: int, rerun: S
         return check
     floats = [t for t in tags if not t.startswith(COUNTERS)]
     judged = [t for t in floats if t in JUDGED or t.startswith(JUDGED_PREFIXES)]
-    scale = {t: max((abs(v) for s, v in killed[t].items() if s in steps and math.isfinite(v)), default=0.0) or 1.0
-             for t in floats}  # fmt: skip
+    scale = {
+        t: max((abs(v) for s, v in killed[t].items() if s in steps and math.isfinite(v)), default=0.0) or 1.0
+        for t in floats
+    }
     rerun_differ = _differences(killed, rerun, tags, steps)
     counters = [d for d in differ + [{**d, "run": "rerun"} for d in rerun_differ] if d["tag"].startswith(COUNTERS)]
-    missing = [(d["step"], d["tag"], run) for run, ds in (("resumed job", differ), ("rerun", rerun_differ))
-               for d in ds if d["resumed"] is None]  # fmt: skip
+    missing = [
+        (d["step"], d["tag"], run)
+        for run, ds in (("resumed job", differ), ("rerun", rerun_differ))
+        for d in ds
+        if d["resumed"] is None
+    ]
     routing = [t for t in floats if t not in judged]
     check["rerun"] = {
         "equal": bool(steps) and not rerun_differ,

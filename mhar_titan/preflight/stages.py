@@ -37,8 +37,13 @@ def read_result(path: Path, key: str, name: str, prog: str, what: str, seconds: 
     except (OSError, ValueError) as e:
         message = " ".join(str(e).split())
         error = f"{type(e).__name__}: {message}" if message else type(e).__name__
-        return failed(key, name, f"no result from the {what} ({path}: {error})", seconds,
-                      [f"`{prog}` wrote no readable {Path(path).name}: its output above says why."])  # fmt: skip
+        return failed(
+            key,
+            name,
+            f"no result from the {what} ({path}: {error})",
+            seconds,
+            [f"`{prog}` wrote no readable {Path(path).name}: its output above says why."],
+        )
 
 
 def table(stages: list[Stage]) -> str:

@@ -153,8 +153,12 @@ def pair_stage(arms: dict[str, dict[str, Any]], s: Any, depth: str, seconds: flo
         details.append(
             f"- {arm}: first job killed (SIGKILL to the launcher's group) after step {r['killed']['killed_at']}, "
             f"the step-{s.checkpoint_at} checkpoint complete; "
-            + (f"a rerun from it killed at the same step ({'bitwise equal to' if rerun['equal'] else 'not bitwise'} "
-               "the first job); " if rerun else "")
+            + (
+                f"a rerun from it killed at the same step ({'bitwise equal to' if rerun['equal'] else 'not bitwise'} "
+                "the first job); "
+                if rerun
+                else ""
+            )
             + f"the relaunch resumed from it and trained to step {s.steps}; {check['values']} values "
             f"({check['tags']} tags) of {span} compared: "
             + (
@@ -162,7 +166,7 @@ def pair_stage(arms: dict[str, dict[str, Any]], s: Any, depth: str, seconds: flo
                 if check["equal"]
                 else f"{check['differing_values']} differ (first: {check['differ'][:3]})."
             )
-        )  # fmt: skip
+        )
     moved = arms.get("mhar", {}).get("gates")
     if moved is None or moved == 0:
         problems.append("mhar: the routing gates did not move (no gate statistics, or all gates still 0)")

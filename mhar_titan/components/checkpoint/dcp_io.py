@@ -70,8 +70,12 @@ class ParallelFileSystemReader(dcp.FileSystemReader):
         where = [self.storage_data[r.storage_index] for r in tensors]
         parts = share_by_size(tensors, [w.length for w in where], self.threads)
         for part in parts:  # each thread reads its records in file order
-            part.sort(key=lambda r: (self.storage_data[r.storage_index].relative_path,
-                                     self.storage_data[r.storage_index].offset))  # fmt: skip
+            part.sort(
+                key=lambda r: (
+                    self.storage_data[r.storage_index].relative_path,
+                    self.storage_data[r.storage_index].offset,
+                )
+            )
         read = super().read_data
         with ThreadPoolExecutor(max_workers=max(1, len(parts)), thread_name_prefix="dcp-read") as pool:
             futures = [pool.submit(read, dataclasses.replace(plan, items=part), planner) for part in parts]

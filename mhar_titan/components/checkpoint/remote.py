@@ -45,8 +45,15 @@ from mhar_titan.components.checkpoint.layout import COMPLETE, STEP_GLOB, complet
 CLAIM = "_RUN.json"
 LOCAL_RECORD = "remote.json"
 FINGERPRINT = "fingerprint.json"  # components/fingerprint.FILE, the record a relaunch is checked against
-RUN_FILES = (FINGERPRINT, "model_args.json", "config.resolved.toml", "environment.json", "starts.jsonl",
-             "spikes.jsonl", "load_ledger.json")  # fmt: skip
+RUN_FILES = (
+    FINGERPRINT,
+    "model_args.json",
+    "config.resolved.toml",
+    "environment.json",
+    "starts.jsonl",
+    "spikes.jsonl",
+    "load_ledger.json",
+)
 WAIT_S = 3600.0  # rank 0 waiting for the other ranks' shares of one step
 _POLL_S = 0.1
 
@@ -116,14 +123,18 @@ class RemoteCheckpoints:
                 )
             own_run = os.path.isfile(os.path.join(self.run_dir, FINGERPRINT)) or bool(complete_steps(self.local))
             if not same_url and own_run:
-                raise ValueError(f"{self.url} holds the checkpoints of a run ({_who(claim)}), and {self.run_dir} "
-                                 "holds a run of its own: use another [checkpoint] folder, or an empty dump_folder "
-                                 "to resume the run kept there")  # fmt: skip
+                raise ValueError(
+                    f"{self.url} holds the checkpoints of a run ({_who(claim)}), and {self.run_dir} "
+                    "holds a run of its own: use another [checkpoint] folder, or an empty dump_folder "
+                    "to resume the run kept there"
+                )
             run_id = claim["run_id"]
         elif names:
             listed = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
-            raise ValueError(f"{self.url} holds {listed} but no {CLAIM}: not a run's checkpoints; use an empty "
-                             "prefix for [checkpoint] folder")  # fmt: skip
+            raise ValueError(
+                f"{self.url} holds {listed} but no {CLAIM}: not a run's checkpoints; use an empty "
+                "prefix for [checkpoint] folder"
+            )
         else:
             run_id = mine["run_id"] if same_url else uuid.uuid4().hex
             self._claim(run_id)
@@ -136,8 +147,12 @@ class RemoteCheckpoints:
         return steps
 
     def _claim(self, run_id: str) -> None:
-        claim = {"run_id": run_id, "host": socket.gethostname(), "dump_folder": os.path.abspath(self.run_dir),
-                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+        claim = {
+            "run_id": run_id,
+            "host": socket.gethostname(),
+            "dump_folder": os.path.abspath(self.run_dir),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         try:
             with self.fs.open(self._path(CLAIM), "xb") as f:
                 f.write(json.dumps(claim, indent=1).encode())
@@ -169,13 +184,17 @@ class RemoteCheckpoints:
             self._copy_down(self._path(step_folder(step)), partial)
         except Exception as e:  # noqa: BLE001  the store's or the network's, in botocore's and aiohttp's own types
             shutil.rmtree(partial, ignore_errors=True)
-            raise StoreError(f"{self.url}/{step_folder(step)}: copying it into {target} failed ({type(e).__name__}: "
-                             f"{str(e)[:300]}); nothing was loaded") from e  # fmt: skip
+            raise StoreError(
+                f"{self.url}/{step_folder(step)}: copying it into {target} failed ({type(e).__name__}: "
+                f"{str(e)[:300]}); nothing was loaded"
+            ) from e
         shutil.rmtree(target, ignore_errors=True)  # an unfinished local write of this step, if any
         os.rename(partial, target)
         size = sum(os.path.getsize(p) for p in _files_abs(target))
-        logger.info(f"{self.url}/{step_folder(step)}: copied into {target} ({size / 1e9:.2f} GB in "
-                    f"{time.perf_counter() - began:.1f} s)")  # fmt: skip
+        logger.info(
+            f"{self.url}/{step_folder(step)}: copied into {target} ({size / 1e9:.2f} GB in "
+            f"{time.perf_counter() - began:.1f} s)"
+        )
 
     def _copy_down(self, remote: str, partial: str) -> None:
         objects = sorted(self.fs.find(remote))
@@ -190,8 +209,9 @@ class RemoteCheckpoints:
 
     # -- every rank --------------------------------------------------------------------------------
 
-    def upload(self, step: int, rank: int, world: int, keep: Callable[[list[int]], set[int]], saved: Any = None
-               ) -> None:  # fmt: skip
+    def upload(
+        self, step: int, rank: int, world: int, keep: Callable[[list[int]], set[int]], saved: Any = None
+    ) -> None:
         """Put this rank's share of `step` on the store in the background, after the uploads asked for before it
         and (a background save) once `saved`, the save's future, is done. `keep`: the retention policy."""
         self._sequence += 1

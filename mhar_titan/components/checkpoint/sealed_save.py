@@ -65,8 +65,9 @@ class SealedWrites:
         rank = int(prefix.strip("_"))
         step_dir = os.fspath(self.path)
         made = {f"{prefix}{i}{DEFAULT_SUFFIX}" for i in range(self.thread_count)}  # an empty share's file too
-        names = {r.storage_data.relative_path for r in results} | {n for n in made if os.path.isfile(
-            os.path.join(step_dir, n))}  # fmt: skip
+        names = {r.storage_data.relative_path for r in results} | {
+            n for n in made if os.path.isfile(os.path.join(step_dir, n))
+        }
         self.rank_files = file_entries(step_dir, sorted(names))
         if not self.coordinator:  # rank 0's is written with .metadata's checksum, in finish
             write_manifest(step_dir, rank, self.rank_files, ranks=_world())
@@ -159,9 +160,8 @@ def pinned_stager() -> ReusedStager:
     checkpoint process run, and are tested, on CPU ranks."""
     gpu = torch.cuda.is_available()
     return ReusedStager(
-        StagingOptions(use_pinned_memory=gpu, use_shared_memory=True, use_async_staging=True,
-                       use_non_blocking_copy=gpu)
-    )  # fmt: skip
+        StagingOptions(use_pinned_memory=gpu, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=gpu)
+    )
 
 
 def device_work_done() -> None:
