@@ -22,7 +22,7 @@ from torchtitan.train import Trainer
 
 from mhar_titan import titan_compat
 from mhar_titan.components.checkpoint.manager import CPTCheckpointManager
-from mhar_titan.components.hooks import SKIP_STEP, Hook, Hooks, Request, SaveNow, Scalar, Step
+from mhar_titan.components.hooks import SKIP_STEP, Hook, Hooks, Request, SaveNow, Scalar, Step, reduce_scalars
 from mhar_titan.components.step_metrics import (
     StepClock,
     StepReadback,
@@ -31,7 +31,6 @@ from mhar_titan.components.step_metrics import (
     flush,
     log_scalars,
     one_tensorboard_run,
-    reduce_scalars,
     to_device_nowait,
 )
 

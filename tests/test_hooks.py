@@ -1,4 +1,4 @@
-"""The hook protocol's own machinery (mhar_titan/components/hooks.py, step_metrics.reduce_scalars): the phases in the
+"""The hook protocol's own machinery (mhar_titan/components/hooks.py): the phases in the
 job's order, a name two hooks give refused, the stops carried out in order, hooks closed last first, and a step's
 values combined over two real ranks as their `reduce` says. (A hook added from a test file, run by the trainer:
 tests/test_hook_extension.py.)"""
@@ -8,11 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from reduce_on_ranks import reduce_on_rank
 
 from mhar_titan.components.hooks import Hook, Hooks, SaveNow, Scalar, Step, Stop
-from mhar_titan.components.step_metrics import reduce_scalars
 from mhar_titan.trainer import CPTTrainer
 
 
@@ -82,26 +81,8 @@ def test_requests_are_carried_out_in_order_the_first_stop_ends_the_job_after_its
     assert saved == [7, 7]
 
 
-def _reduce_on_rank(rank: int, world: int, init: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        named = {
-            "flag": Scalar(torch.tensor(rank == 1), "max"),  # one rank raises it
-            "largest": Scalar(torch.tensor(float(rank) + 0.5), "max"),
-            "total": Scalar(torch.tensor([1.0, 2.0]) * (rank + 1), "sum"),
-            "average": Scalar(torch.tensor([[2.0, 4.0]]) * (rank + 1), "mean"),
-            "global": Scalar(torch.tensor(3.25)),  # the same on every rank: as given
-        }
-        reduced = reduce_scalars(named, dist.group.WORLD)
-        record = {name: [t.dtype == torch.float64, list(t.shape), t.flatten().tolist()] for name, t in reduced.items()}
-        with open(f"{out}.{rank}", "w") as f:
-            json.dump({"order": list(reduced), "values": record}, f)
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_steps_values_are_combined_over_the_ranks_as_their_reduce_says(tmp_path):
-    mp.spawn(_reduce_on_rank, args=(2, f"file://{tmp_path / 'store'}", str(tmp_path / "out")), nprocs=2)
+    mp.spawn(reduce_on_rank, args=(2, f"file://{tmp_path / 'store'}", str(tmp_path / "out")), nprocs=2)
     seen = [json.loads((tmp_path / f"out.{rank}").read_text()) for rank in range(2)]
     assert seen[0] == seen[1]  # every rank reads the same values, in the order given
     assert seen[0]["order"] == ["flag", "largest", "total", "average", "global"]

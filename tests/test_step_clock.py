@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import mhar_titan.components.step_metrics as step_metrics
-from mhar_titan.components.hooks import SKIP_STEP, Scalar
-from mhar_titan.components.step_metrics import StepClock, StepScalars, reduce_scalars
+from mhar_titan.components.hooks import SKIP_STEP, Scalar, reduce_scalars
+from mhar_titan.components.step_metrics import StepClock, StepScalars
 
 
 def test_the_eta_counts_the_periodic_work_still_to_come(monkeypatch):

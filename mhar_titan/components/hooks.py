@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 if TYPE_CHECKING:  # the trainer imports this module; hooks are handed the trainer at set-up
@@ -51,6 +52,31 @@ class Scalar:
     def __post_init__(self) -> None:
         if self.reduce not in REDUCTIONS:
             raise ValueError(f"Scalar reduce = {self.reduce!r}: one of {', '.join(REDUCTIONS)}")
+
+
+_KINDS = (("max", torch.float32), ("sum", torch.float64), ("mean", torch.float32), ("none", torch.float64))
+
+
+def reduce_scalars(named: dict[str, Scalar], dp_group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """Each named value combined over the ranks as its `reduce` says, on the device, in the order given: one
+    all-reduce per kind present (`max` over every rank, `sum` and `mean` over the data-parallel group `dp_group`),
+    each kind in its dtype (Scalar). Every rank must call with the same names."""
+    out: dict[str, torch.Tensor] = {}
+    for kind, dtype in _KINDS:
+        names = [name for name, s in named.items() if s.reduce == kind]
+        if not names:
+            continue
+        values = [named[name].value.detach() for name in names]
+        flat = torch.cat([v.to(dtype).reshape(-1) for v in values])
+        if kind == "max" and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+        elif kind in ("sum", "mean") and dp_group is not None:
+            dist.all_reduce(flat, group=dp_group)
+            if kind == "mean":
+                flat /= dist.get_world_size(dp_group)
+        for name, v, piece in zip(names, values, flat.split([v.numel() for v in values]), strict=True):
+            out[name] = piece.reshape(v.shape)
+    return {name: out[name] for name in named}
 
 
 def on_device(value: float, like: torch.Tensor) -> torch.Tensor:

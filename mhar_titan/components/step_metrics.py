@@ -7,12 +7,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from tensorboard.compat.proto.summary_pb2 import Summary
 from torch.utils.tensorboard import SummaryWriter
 from torchtitan.components.metrics import BaseLogger, MetricsProcessor, TensorBoardLogger
 
-from mhar_titan.components.hooks import Scalar
 from mhar_titan.titan_compat import each_logger, take_log_window, tensorboard_writer
 
 
@@ -68,31 +66,6 @@ def to_device_nowait(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
-
-
-_KINDS = (("max", torch.float32), ("sum", torch.float64), ("mean", torch.float32), ("none", torch.float64))
-
-
-def reduce_scalars(named: dict[str, Scalar], dp_group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
-    """Each named value combined over the ranks as its `reduce` says, on the device, in the order given: one
-    all-reduce per kind present (`max` over every rank, `sum` and `mean` over the data-parallel group `dp_group`),
-    each kind in its dtype (components/hooks.py, Scalar). Every rank must call with the same names."""
-    out: dict[str, torch.Tensor] = {}
-    for kind, dtype in _KINDS:
-        names = [name for name, s in named.items() if s.reduce == kind]
-        if not names:
-            continue
-        values = [named[name].value.detach() for name in names]
-        flat = torch.cat([v.to(dtype).reshape(-1) for v in values])
-        if kind == "max" and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-        elif kind in ("sum", "mean") and dp_group is not None:
-            dist.all_reduce(flat, group=dp_group)
-            if kind == "mean":
-                flat /= dist.get_world_size(dp_group)
-        for name, v, piece in zip(names, values, flat.split([v.numel() for v in values]), strict=True):
-            out[name] = piece.reshape(v.shape)
-    return {name: out[name] for name in named}
 
 
 class StepScalars:
