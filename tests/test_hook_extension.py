@@ -7,6 +7,7 @@ reproduces the uninterrupted job bit for bit."""
 
 import json
 import os
+import shutil
 import sys
 from typing import Any
 
@@ -23,18 +24,19 @@ from mhar_titan.main import run
 STOP_EXIT = 3  # the stop condition's exit code
 PROBE_SPIKE_AT = 5  # the step whose probe value jumps
 STOP_AT_ENV = "EXTENSION_STOP_AT"  # the step at which rank 0 asks the job to stop
+STOP_AT = 6  # of the job's 8 steps; its checkpoints: step 4 (the interval) and step 6 (the stop's)
 
 
 class OutputWatch(Hook):
-    """The output layer's weight norm every step; a probe value that jumps once, scored for spikes; the largest norm
-    seen, checkpointed; and a stop that rank 0 alone decides and every rank agrees on."""
+    """The output layer's weight norm every step and its mean over the run so far (the checkpointed state); a probe
+    value that jumps once, scored for spikes; and a stop that rank 0 alone decides and every rank agrees on."""
 
     name = "output_watch"
     spike_scored = ("probe",)
 
     def __init__(self, stop_at: int):
         self.stop_at = stop_at
-        self.largest = 0.0  # the checkpointed state
+        self.total, self.steps = 0.0, 0  # the checkpointed state: the mean needs both from the start of the run
         self.stopping = False
 
     def set_up(self, trainer: Any) -> None:
@@ -53,11 +55,11 @@ class OutputWatch(Hook):
 
     def after_step(self, step: Step) -> None:
         self.norm = step.values["output_sq"] ** 0.5
-        self.largest = max(self.largest, self.norm)
+        self.total, self.steps = self.total + self.norm, self.steps + 1
         self.stopping = bool(step.values["stop_asked"])
 
     def metrics(self, step: Step) -> dict[str, float]:
-        return {"watch/output_norm": self.norm, "watch/output_norm_max": self.largest}
+        return {"watch/output_norm": self.norm, "watch/output_norm_mean": self.total / self.steps}
 
     def line(self, step: Step, metrics: dict[str, float]) -> str:
         return f"out_norm {metrics['watch/output_norm']:.5f}"
@@ -68,65 +70,72 @@ class OutputWatch(Hook):
         return Stop("asked by the watch", SystemExit(STOP_EXIT), after_checkpoint=lambda: print("watch: stopped"))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"output_watch": json.dumps({"largest": self.largest})}
+        return {"output_watch": json.dumps({"total": self.total, "steps": self.steps})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.largest = json.loads(state["output_watch"])["largest"]
+        saved = json.loads(state["output_watch"])
+        self.total, self.steps = saved["total"], saved["steps"]
 
 
 # -- the tests: this file under torchrun on 2 CPU ranks ------------------------------------------------------
 
 SCRIPT = "tests/test_hook_extension.py"
 ARGS = (
-    *("--training.steps", "8", "--checkpoint.interval", "8", "--metrics.log_freq", "1", "--validation.no-enable"),
+    *("--training.steps", "8", "--checkpoint.interval", "4", "--metrics.log_freq", "1", "--validation.no-enable"),
     *("--spikes.window", "4", "--spikes.min_history", "3", "--lr_scheduler.total_steps", "8"),
 )
-WATCHED = ("watch/output_norm", "watch/output_norm_max", "spikes/probe_score", "spikes/loss_score", "train/loss")
+WATCHED = ("watch/output_norm", "watch/output_norm_mean", "spikes/probe_score", "spikes/loss_score", "train/loss")
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("straight") / "run"
-    proc = torchrun(run_dir, *ARGS, script=SCRIPT)
-    return run_dir, proc.stdout + proc.stderr
+def stopped(tmp_path_factory):
+    """The job, stopped by the watch after step STOP_AT of 8."""
+    run_dir = tmp_path_factory.mktemp("stopped") / "run"
+    proc = torchrun(run_dir, *ARGS, script=SCRIPT, env={STOP_AT_ENV: str(STOP_AT)}, check=False)
+    return run_dir, proc.returncode, proc.stdout + proc.stderr
 
 
-def test_the_hooks_metric_is_in_the_log_line_and_tensorboard(straight):
-    run_dir, log = straight
+def test_the_hooks_stop_exits_with_its_code_after_a_checkpoint(stopped):
+    run_dir, returncode, log = stopped
+    assert returncode == STOP_EXIT, log[-3000:]
+    assert "watch: stopped" in log and f"step {STOP_AT + 1}/8" not in log and "Training completed" not in log
+    assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == ["step-4", f"step-{STOP_AT}"]
+
+
+def test_the_hooks_metric_is_in_the_log_line_and_tensorboard(stopped):
+    run_dir, _, log = stopped
     scalars = load_scalars(run_dir)
     norms = scalars["watch/output_norm"]
-    assert list(norms) == list(range(1, 9)) and all(v > 0 for v in norms.values())
-    assert scalars["watch/output_norm_max"][8] == max(norms.values())
-    for step in (1, 8):  # the hook's part ends the line, after the time shares
-        assert f"step {step}/8  loss " in log
+    assert list(norms) == list(range(1, STOP_AT + 1)) and all(v > 0 for v in norms.values())
+    assert scalars["watch/output_norm_mean"][STOP_AT] == pytest.approx(sum(norms.values()) / STOP_AT, rel=1e-6)
+    for step in (1, STOP_AT):  # the hook's part ends the line, after the time shares
         line = next(x for x in log.splitlines() if f"step {step}/8  loss " in x)
         assert line.endswith(f"out_norm {norms[step]:.5f}") and " time data " in line
 
 
-def test_the_hooks_value_is_scored_for_spikes_beside_the_loss(straight):
-    run_dir, log = straight
+def test_the_hooks_value_is_scored_for_spikes_beside_the_loss(stopped):
+    run_dir, _, log = stopped
     recorded = [s for s in spikes.read(str(run_dir)) if s.tag == "probe"]
     assert [s.step for s in recorded] == [PROBE_SPIKE_AT] and recorded[0].value == pytest.approx(30.0 - 0.02)
     assert f"step {PROBE_SPIKE_AT}: probe spike, " in log
     scalars = load_scalars(run_dir)
     assert list(scalars["spikes/probe"]) == [PROBE_SPIKE_AT]
-    assert list(scalars["spikes/probe_score"]) == list(range(4, 9))  # scored from the 4th step, as the loss
-    assert list(scalars["spikes/loss_score"]) == list(range(4, 9))
+    assert list(scalars["spikes/probe_score"]) == list(range(4, STOP_AT + 1))  # from the 4th step, as the loss's
+    assert list(scalars["spikes/loss_score"]) == list(range(4, STOP_AT + 1))
 
 
-def test_the_hooks_stop_exits_with_its_code_after_a_checkpoint_and_the_resume_repeats_the_run(straight, tmp_path):
-    reference, _ = straight
+def test_a_resume_from_the_checkpoint_before_the_stop_repeats_the_job_bit_for_bit(stopped, tmp_path):
+    reference, _, _ = stopped
     run_dir = tmp_path / "run"
-    stopped = torchrun(run_dir, *ARGS, script=SCRIPT, env={STOP_AT_ENV: "3"}, check=False)
-    log = stopped.stdout + stopped.stderr
-    assert stopped.returncode == STOP_EXIT, log[-3000:]
-    assert "watch: stopped" in log and "step 4/8" not in log and "Training completed" not in log
-    assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == ["step-3"]
-    resumed = torchrun(run_dir, *ARGS, script=SCRIPT)
-    assert "Training starts at step 4" in resumed.stdout + resumed.stderr
+    shutil.copytree(reference, run_dir)
+    shutil.rmtree(run_dir / "checkpoint" / f"step-{STOP_AT}")  # as if the job had died after step 4's checkpoint
+    resumed = torchrun(run_dir, *ARGS, script=SCRIPT, env={STOP_AT_ENV: str(STOP_AT)}, check=False)
+    log = resumed.stdout + resumed.stderr
+    assert resumed.returncode == STOP_EXIT and "Training starts at step 5" in log, log[-3000:]
     want, got = load_scalars(reference), load_scalars(run_dir)
-    for tag in WATCHED:  # the largest norm and the probe's window came back from the checkpoint
-        assert got[tag] == want[tag], tag
+    for tag in WATCHED:  # the mean's state and the probe's window came back from the step-4 checkpoint
+        assert list(got[tag]) == list(want[tag]) and got[tag] == want[tag], tag
+    assert spikes.read(str(run_dir)) == spikes.read(str(reference))
 
 
 if __name__ == "__main__":  # the job torchrun starts: the trainer with the watch after the job's own hooks
