@@ -87,7 +87,15 @@ if [[ $dry_run -eq 1 ]]; then
 fi
 
 info >&2
-[[ $slurm -eq 0 ]] || mkdir -p logs  # sbatch does not create the folder of --output
+if [[ $slurm -eq 1 ]]; then
+  mkdir -p logs  # sbatch does not create the folder of --output (a checkout has it: logs/.gitignore)
+  # A request no node can satisfy would wait in the queue for ever (PartitionConfig): ask the scheduler first.
+  read -ra sbatch_args <<<"${SBATCH_ARGS:-}"
+  if ! answer=$(sbatch --test-only ${sbatch_args[@]+"${sbatch_args[@]}"} launch/slurm.sbatch "$control" 2>&1); then
+    answer=$(printf '%s' "$answer" | tr '\n' ' ')
+    die "no node can run the arms as asked (sbatch --test-only ${SBATCH_ARGS:-}: ${answer% }); on nodes without GPUs: SBATCH_ARGS=--gpus-per-node=0"
+  fi
+fi
 
 # SIGTERM/SIGUSR1 go on to the running arm (torchrun.sh turns them into a checkpoint and exit 75);
 # Ctrl-C reaches it directly (same process group).

@@ -6,6 +6,10 @@ the codes a job gives on purpose, with sys.exit (the trainer's own, mhar_titan.c
 exhausted 66, requeue 75; and a hook's stop with a code of its own: docs/extending.md) the job has already said why in
 its log, so this exits with that code and adds nothing; any other failure (an uncaught exception: 1, a signal) is
 torchrun's as before: its summary naming the rank and error file, exit 1.
+
+SIGTERM and SIGUSR1, which a cluster sends to every process of the job, torchrun included, go on to the workers
+(they checkpoint and stop) while torchrun waits for them, instead of shutting them down within 30 s
+(mhar_titan.components.signals). Ctrl-C still stops everything at once.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.run import parse_args, run
 
 from mhar_titan.components.exit_codes import chosen
+from mhar_titan.components.signals import agent_passes_signals
 
 AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
@@ -40,8 +45,10 @@ def trainer_exit_code(error: ChildFailedError) -> int | None:
 def main(argv: list[str] | None = None) -> None:
     """torch.distributed.run.main, with the trainer's exit codes passed on (follows torch/distributed/run.py)."""
     logging.getLogger(AGENT_LOGGER).addFilter(_TrainerExits())
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args.signals_to_handle = agent_passes_signals(args.signals_to_handle)
     try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
+        run(args)
     except ChildFailedError as e:
         code = trainer_exit_code(e)
         if code is None:

@@ -25,6 +25,7 @@ SLOWEST_FIRST = (
     "test_preflight.py",
     "test_train_resume.py",
     "test_cluster_run.py",
+    "test_slurm_real.py",
     "test_preflight_verdicts.py",
     "test_checkpoint_s3.py",
     "test_routing_triton.py",

@@ -7,7 +7,9 @@ import json
 import os
 import pickle
 import queue
+import signal
 import threading
+import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -197,6 +199,12 @@ def test_a_checkpoint_process_whose_job_is_gone_writes_nothing_and_completes_not
     assert not (tmp_path / "step-9").exists()
 
 
+def _wait_for(path: str) -> None:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_the_test_hold_preempts_its_job_and_holds_the_writer_until_the_job_waits(
     tmp_path, monkeypatch, own_signal_handlers
 ):
@@ -206,14 +214,23 @@ def test_the_test_hold_preempts_its_job_and_holds_the_writer_until_the_job_waits
     monkeypatch.setenv(testing.HOLD_SAVE_ENV, "four")
     with pytest.raises(ValueError, match="MHAR_TEST_HOLD_SAVE='four': a step number"):
         testing.held_step()
-    monkeypatch.setenv(testing.HOLD_SAVE_ENV, "4")
+    monkeypatch.setenv(testing.HOLD_SAVE_ENV, "4:cluster")  # held until a SIGTERM from outside
     watch = PreemptionWatch(str(tmp_path))
+    os.makedirs(os.path.dirname(checkpoint_id))
+    flag = f"{checkpoint_id}.signal-{os.getpid()}"
+    cluster = threading.Thread(target=lambda: (_wait_for(flag), os.kill(os.getpid(), signal.SIGTERM)))
+    cluster.start()
+    testing.after_launch(checkpoint_id)  # returns once the SIGTERM came, which the job's handler saw too
+    cluster.join()
+    assert testing.held_step() == 4 and watch.local_request(check_file=False) == "SIGTERM"
+    assert os.listdir(os.path.dirname(checkpoint_id)) == []
+    watch = PreemptionWatch(str(tmp_path))
+    monkeypatch.setenv(testing.HOLD_SAVE_ENV, "4")
     testing.after_launch(checkpoint_id.replace("step-4", "step-2"))
     assert watch.local_request(check_file=False) is None
     testing.after_launch(checkpoint_id)
     assert watch.local_request(check_file=False) == "SIGTERM"  # as a scheduler's, while the write is held
 
-    os.makedirs(os.path.dirname(checkpoint_id))
     writer = threading.Thread(target=testing.before_write, args=(checkpoint_id, os.getpid()))
     writer.start()
     assert writer.is_alive()  # it returns only once the job announces its wait (or fails after 300 s)

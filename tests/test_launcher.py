@@ -226,7 +226,9 @@ def fake_slurm(tmp_path):
     scripts = {
         "scontrol": f"""#!/usr/bin/env bash
 case "$1" in
-  show) printf "gpu07\\ngpu08\\n" ;;
+  show)
+    if [[ "$2" == job ]]; then echo "JobId=$3 TimeLimit=${{FAKE_TIME_LIMIT:-UNLIMITED}}"
+    else printf "gpu07\\ngpu08\\n"; fi ;;
   requeue) echo "$2" >> {tmp_path}/requeued ;;
   *) exit 1 ;;
 esac
@@ -295,6 +297,43 @@ def test_sbatch_dry_run_under_a_fake_allocation(fake_slurm, how):
     assert "--rdzv-endpoint=gpu07:24242" in inner and "--nnodes=2" in inner and "--nproc-per-node=8" in inner
     assert "scontrol requeue 4242" in proc.stderr
     assert "runs/tiny/control/STOP" in proc.stderr
+
+
+def sbatch_dry_run(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([SBATCH, "--dry-run", *args], cwd=REPO, env=env, capture_output=True, text=True)
+
+
+def test_sbatch_runs_on_the_gpus_and_cpus_a_node_gave_or_on_cpu_ranks(fake_slurm):
+    def torchrun_args(env, *args):
+        proc = sbatch_dry_run(env, *args, CONTROL)
+        assert proc.returncode == 0, proc.stderr
+        out = proc.stdout.split()
+        return out[: out.index("launch/torchrun.sh")], out[out.index("--nproc") + 1]
+
+    # every CPU of the (exclusive) node to the one task, shared by its ranks
+    srun, nproc = torchrun_args({**fake_slurm, "SLURM_GPUS_ON_NODE": "4", "SLURM_CPUS_ON_NODE": "96"})
+    assert "--cpus-per-task=96" in srun and nproc == "4"
+    cpu = {**fake_slurm, "SLURM_GPUS_ON_NODE": "0", "SLURM_CPUS_ON_NODE": "2"}  # sbatch --gpus-per-node=0
+    assert torchrun_args(cpu) == (["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1", "--cpus-per-task=2"], "2")
+    assert torchrun_args(cpu, "--nproc", "3")[1] == "3"
+    gpus = {**fake_slurm, "SLURM_GPUS_ON_NODE": "8"}
+    refused = sbatch_dry_run(gpus, "--nproc", "4", CONTROL)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "launch/slurm.sbatch: --nproc 4: the job has 8 GPUs a node, one rank each (ask for --gpus-per-node=4 instead)"
+    ]
+
+
+@pytest.mark.parametrize(("limit", "refused"), [("00:10:00", True), ("00:10:01", False), ("1-00:00:00", False)])
+def test_sbatch_refuses_a_time_limit_that_leaves_no_time_to_train(fake_slurm, limit, refused):
+    proc = sbatch_dry_run({**fake_slurm, "FAKE_TIME_LIMIT": limit}, CONTROL)
+    if refused:
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.strip().splitlines() == [
+            "launch/slurm.sbatch: the time limit 00:10:00 leaves under 300 s to train before the warning 300 s ahead "
+            "of it; ask for more than 600 s (sbatch --time), or it would train a step and requeue over and over"
+        ]
+    else:
+        assert proc.returncode == 0, proc.stderr
 
 
 def test_sbatch_port_from_master_port(fake_slurm):
@@ -540,3 +579,49 @@ def test_the_trainers_exit_codes_are_kept_and_other_failures_stay_torchruns():
     )
     quiet = launch._TrainerExits()
     assert not quiet.filter(agent) and quiet.filter(crash)
+
+
+# A worker that checkpoints for a second after a SIGTERM or SIGUSR1, as the trainer does, then exits 75.
+SIGNALLED_WORKER = """
+import os, signal, sys, time
+got = []
+for sig in (signal.SIGTERM, signal.SIGUSR1):
+    signal.signal(sig, lambda s, _: got.append(signal.Signals(s).name))
+open(os.path.join(sys.argv[1], "ready-" + os.environ["RANK"]), "w").close()
+while not got:
+    time.sleep(0.01)
+time.sleep(1)
+open(os.path.join(sys.argv[1], "got-" + os.environ["RANK"]), "w").write(" ".join(got))
+sys.exit(75)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["TERM", "USR1"])
+def test_torchrun_passes_a_cluster_signal_to_the_workers_and_waits_for_their_code(tmp_path, sig):
+    """torchrun alone gets the signal: the workers get it from it, checkpoint, and their code 75 comes out, with no
+    "death signal" shutdown (SIGTERM) and no death of torchrun (SIGUSR1)."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(SIGNALLED_WORKER)
+    cmd = [sys.executable, "-m", "mhar_titan.launch", "--standalone", "--nproc-per-node=2", str(worker), str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready-{rank}").exists() for rank in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, err
+    assert [(tmp_path / f"got-{rank}").read_text() for rank in (0, 1)] == [sig.name, sig.name]
+    assert f"mhar_titan.launch: got {sig.name}; passed to the 2 workers, which checkpoint and stop" in err
+    assert "death signal" not in err and "Traceback" not in err
+
+
+def test_the_job_logs_folder_is_in_every_checkout():
+    """sbatch does not create the folder of --output, and a job whose log cannot open fails with no log anywhere."""
+    outputs = [line.split()[1] for line in open(SBATCH) if line.startswith("#SBATCH --output=")]
+    assert outputs == ["--output=logs/%x-%j.out"]
+    tracked = subprocess.run(["git", "ls-files", "logs"], cwd=REPO, capture_output=True, text=True, check=True)
+    assert tracked.stdout.split() == ["logs/.gitignore"]

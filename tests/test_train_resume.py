@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -189,11 +190,11 @@ def test_resume_with_another_architecture_is_refused_before_anything_is_rewritte
     # (a deliberate schedule change, allowed: tests/test_cluster_run.py)
 
 
-def launch_until(run: Path, pattern: str | None, action) -> tuple[int, str]:
+def launch_until(run: Path, pattern: str | None, action, *extra: str, env: dict | None = None) -> tuple[int, str]:
     """launch/torchrun.sh on 2 ranks; when a line contains `pattern`, call action(launcher pid)."""
     cmd = [str(REPO / "launch" / "torchrun.sh"), "--nproc", "2", "configs/tiny_cpu.toml"]
-    cmd += ["--job.dump_folder", str(run), "--training.steps", "8", *SCHEDULE_EVERY_2, *VALIDATE]
-    env = {**os.environ, "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd += ["--job.dump_folder", str(run), "--training.steps", "8", *SCHEDULE_EVERY_2, *VALIDATE, *extra]
+    env = {**os.environ, "PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -270,28 +271,48 @@ def _everything(step_dir: Path, out: Path) -> dict:
     return _flat(torch.load(out, weights_only=False))
 
 
+def signal_every_process_once_held(run: Path, launcher: int) -> None:
+    """SIGTERM to every process of the job, one by one, as Slurm's scancel, requeue, time limit and preemption send
+    it (the launcher, torchrun, the workers, torch's checkpoint processes), once both ranks hold step 4's save."""
+    deadline = time.monotonic() + 120
+    while len(list((run / "checkpoint").glob("step-4.signal-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for pid in process_tree(launcher):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
 def test_a_stop_during_a_background_save_waits_for_it_and_resumes_to_the_same_losses(straight, tmp_path):
     run, asynchronous = tmp_path / "run", ("--training.steps", "8", *SCHEDULE_EVERY_2, *VALIDATE)
     ckpt = run / "checkpoint"
     # 1. Saves every 2 steps in torch's checkpoint process (async_with_pinned_mem: staged by a thread while the
     #    next step runs and validation swaps the EMA in). The save of step 4 is held before it writes a byte while
-    #    the job gets SIGTERM (components/checkpoint/testing.py): the stop after step 5 waits for it, then saves step 5.
-    proc = torchrun(
-        run, *asynchronous, "--checkpoint.async_mode", "async_with_pinned_mem", env={HOLD_SAVE: "4"}, check=False
+    #    every process of the job gets SIGTERM, as a cluster sends it (components/checkpoint/testing.py): torchrun
+    #    and the checkpoint processes live through it, the stop after step 5 waits for step 4, then saves step 5.
+    rc, log = launch_until(
+        run,
+        "held in the background; waiting for a SIGTERM",
+        lambda pid: signal_every_process_once_held(run, pid),
+        *("--checkpoint.async_mode", "async_with_pinned_mem"),
+        env={HOLD_SAVE: "4:cluster"},
     )
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 75, log[-3000:]
+    assert rc == 75, log[-3000:]
     # in the trainer's log: the stop found step 4 still being written and waited for it (the checkpoint process
-    # logs its release on a stream of its own)
+    # logs its release on a stream of its own, not shown by launch/torchrun.sh)
     events = [
-        "SIGTERM while",
+        "held in the background",
         "step 5/8",
         f"for the background save of {ckpt / 'step-4'}",
         f"{ckpt / 'step-5'}: written and checksummed",
     ]
-    at = [proc.stdout.find(e) for e in events]
+    at = [log.find(e) for e in events]
     assert -1 not in at and at == sorted(at), dict(zip(events, at, strict=True))
+    # the trainer's lines alone: torchrun passed the signal on and waited, nothing died of it
     assert "step-4 released, writing" in log
+    assert "passed to the 2 workers" in log
+    assert not any(s in log for s in ("death signal", "Traceback", "SignalException", "background process is dead"))
     assert json.loads((run / "preempted.json").read_text())["step"] == 5
     assert complete_steps(str(ckpt)) == [2, 4, 5] and not list(ckpt.glob("*.waiting-*"))
     for step in (2, 4, 5):  # each sealed by both ranks' checksums, and intact

@@ -27,11 +27,11 @@ from torchtitan.tools.logging import logger
 from data.atomic import write_text
 from mhar_titan.components.exit_codes import REQUEUE as REQUEUE_EXIT_CODE
 from mhar_titan.components.hooks import Hook, Request, Scalar, Step, Stop, on_device
+from mhar_titan.components.signals import CLUSTER_SIGNALS
 
 STOP_FILE = "STOP"
 MARKER_FILE = "preempted.json"
 LAUNCH_ID_ENV = "MHAR_LAUNCH_ID"  # set by launch/torchrun.sh (and passed on by slurm.sbatch)
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _IMPORTED = time.time()  # about when this worker started; an empty STOP file older than that is stale
 
 
@@ -49,7 +49,7 @@ class PreemptionWatch:
         self.launch_id = os.environ.get(LAUNCH_ID_ENV, "") if launch_id is None else launch_id
         self.signal_name: str | None = None
         self._ignored: str | None = None
-        for sig in SIGNALS:
+        for sig in CLUSTER_SIGNALS:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, _frame: object) -> None:

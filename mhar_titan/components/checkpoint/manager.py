@@ -46,6 +46,7 @@ from mhar_titan.components.checkpoint.remote import RemoteCheckpoints, is_url
 from mhar_titan.components.checkpoint.sealed_save import ReusedStager, SealedBackgroundWriter, SealedStreamingWriter
 from mhar_titan.components.checkpoint.space import checkpoint_bytes, save_failure
 from mhar_titan.components.ema import STATE as EMA_STATE
+from mhar_titan.components.signals import shielded
 from mhar_titan.model.state_dict_adapter import OUR_ROUTING
 
 LEDGER_FILE = "load_ledger.json"
@@ -350,14 +351,15 @@ class CPTCheckpointManager(CheckpointManager):
                 self.stager.close()
                 self.stager = sealed_save.pinned_stager()
             sealed_save.device_work_done()
-            ret = dcp.async_save(
-                state_dict,
-                storage_writer=writer,
-                checkpoint_id=checkpoint_id,
-                process_group=self.pg,
-                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                async_stager=self.stager,
-            )
+            with shielded():  # torch's checkpoint process, started at the first save, lives through a SIGTERM
+                ret = dcp.async_save(
+                    state_dict,
+                    storage_writer=writer,
+                    checkpoint_id=checkpoint_id,
+                    process_group=self.pg,
+                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                    async_stager=self.stager,
+                )
         self.pending = checkpoint_id
         self._upload(checkpoint_id, getattr(ret, "upload_completion", ret))
         testing.after_launch(checkpoint_id)  # a test's preemption; nothing otherwise

@@ -6,7 +6,9 @@ key or command-line flag reaches them, and with the variables unset nothing here
   would, components/preemption.py) right after launching it, and that save's writer, on every rank, holds before
   writing any file until its job announces that it waits for the save (the stop's checkpoint,
   CPTCheckpointManager._async_wait). So the stop is agreed at the next step, the save is still in flight when the
-  job reaches its stop, and the test sees what the job does then.
+  job reaches its stop, and the test sees what the job does then. With `<step>:cluster` the job does not signal
+  itself: it says that the save is held, and the test signals every process of the job as a cluster does
+  (the launcher, torchrun, the workers and torch's checkpoint processes, components/signals.py).
 - MHAR_TEST_RESUME_FAULT=<fault>: faults in a resume, so that the checks which must catch a broken resume (the
   preflight's stage d) can be shown to catch it: the data one batch off, the optimizer moments lost, the LR schedule
   restarted, the EMA restarted from the loaded weights. Tests and benchmarks/resume_spread.py set it.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -42,14 +45,21 @@ FAIL_UPLOAD_ENV = "MHAR_TEST_FAIL_UPLOAD"  # `STEP:RANK` makes that rank's uploa
 # -- MHAR_TEST_HOLD_SAVE ---------------------------------------------------------------------------------------------
 
 
-def held_step() -> int | None:
-    """The step whose background save is held, or None."""
+def _hold() -> tuple[int, bool] | None:
+    """The step whose background save is held and whether the job signals itself, or None."""
     value = os.environ.get(HOLD_SAVE_ENV, "").strip()
     if not value:
         return None
-    if not value.isdigit():
-        raise ValueError(f"{HOLD_SAVE_ENV}={value!r}: a step number")
-    return int(value)
+    step, _, by = value.partition(":")
+    if not step.isdigit() or by not in ("", "cluster"):
+        raise ValueError(f"{HOLD_SAVE_ENV}={value!r}: a step number, or a step number and ':cluster'")
+    return int(step), by == ""
+
+
+def held_step() -> int | None:
+    """The step whose background save is held, or None."""
+    hold = _hold()
+    return None if hold is None else hold[0]
 
 
 def _held(checkpoint_id: str) -> bool:
@@ -64,9 +74,37 @@ def _flag(checkpoint_id: str, owner: int) -> str:
 
 def after_launch(checkpoint_id: str) -> None:
     """In the training process, once the background save of `checkpoint_id` is launched: the preemption."""
-    if _held(checkpoint_id):
+    if not _held(checkpoint_id):
+        return
+    if _hold()[1]:
         logger.warning(f"TEST HOLD ({HOLD_SAVE_ENV}): SIGTERM while {checkpoint_id} is written in the background")
         signal.raise_signal(signal.SIGTERM)
+    else:
+        _wait_for_cluster(checkpoint_id)
+
+
+def _wait_for_cluster(checkpoint_id: str) -> None:
+    """`<step>:cluster`: this rank waits for a SIGTERM from outside, saying so with a file beside the step folder
+    (`step-N.signal-<pid>`, removed once it came) for the test to send it when every rank waits."""
+    came, previous = threading.Event(), signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum: int, frame: Any) -> None:
+        came.set()
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_term)
+    flag, deadline = f"{os.path.normpath(checkpoint_id)}.signal-{os.getpid()}", time.monotonic() + HOLD_TIMEOUT_S
+    with open(flag, "w"):
+        pass
+    logger.warning(f"TEST HOLD ({HOLD_SAVE_ENV}): {checkpoint_id} held in the background; waiting for a SIGTERM")
+    try:
+        while not came.wait(_POLL_S):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"TEST HOLD ({HOLD_SAVE_ENV}): no SIGTERM within {HOLD_TIMEOUT_S:.0f} s")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        os.remove(flag)
 
 
 def announce(checkpoint_id: str | None) -> None:
