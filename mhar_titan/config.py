@@ -93,6 +93,10 @@ class Checkpoint:
 
     keep_every: int = 0
     """Besides the last keep_latest_k, keep every checkpoint whose step is a multiple of this (0: none)."""
+    interval_minutes: float = 0.0
+    """Minutes between temporary checkpoints beside the step interval (0: none): a crash loses at most this much
+    work. Only the newest temporary one is kept, until a newer checkpoint is complete; keep_latest_k counts the
+    interval's checkpoints alone. Rank 0's clock decides for every rank; nothing computed changes."""
     allow_changes: list[str] = field(default_factory=list)
     """Fingerprint groups a resume may change on purpose: base, data, schedule (applied from the first
     resumed step, logged and recorded in fingerprint.json), or legacy (resume a run folder that has

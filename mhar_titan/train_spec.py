@@ -15,6 +15,7 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_
 from data.loader import build_parquet_dataloader
 from mhar_titan.components.bad_steps import BadSteps
 from mhar_titan.components.checkpoint import testing
+from mhar_titan.components.clock_checkpoints import ClockCheckpoints
 from mhar_titan.components.data_progress import DataProgress
 from mhar_titan.components.ema import EMA
 from mhar_titan.components.hooks import Hook
@@ -63,9 +64,11 @@ def train_spec() -> TrainSpec:
 def build_hooks(job_config: JobConfig) -> list[Hook]:
     """The concerns the trainer hosts, in the order it calls them at every phase: the run lock first (a job that lost
     its folder writes nothing more there); the stops in their precedence (non-finite steps, preemption, a source
-    read to its end), the data's check before a resume is recorded; validation after the EMA it swaps in; the log
-    line's parts in the line's order; a test's resume fault last."""
+    read to its end) and the clock's checkpoint after them, the data's check before a resume is recorded;
+    validation after the EMA it swaps in; the log line's parts in the line's order; a test's resume fault last."""
     ema = EMA(job_config.ema)
+    saving = job_config.checkpoint
+    clock = [ClockCheckpoints(saving.interval_minutes)] if saving.enable and saving.interval_minutes > 0 else []
     hooks = [
         RunFolderLock(),
         ema,
@@ -73,6 +76,7 @@ def build_hooks(job_config: JobConfig) -> list[Hook]:
         RunSpikes(job_config.spikes),
         Preemption(),
         DataProgress(),
+        *clock,  # after the stops: a stop's checkpoint comes first
         RunFolder(),
         RoutingStatistics(job_config.mhar),
         Validation(ema),

@@ -201,6 +201,11 @@ class CPTTrainer(Trainer):
     def _carry_out(self, requests: list[Request], step: Step) -> None:
         """The hooks' requests in their order: a checkpoint now, or the first stop (its checkpoint, then its error)."""
         for request in requests:
+            if isinstance(request, SaveNow) and request.temporary:
+                began = time.perf_counter()
+                self.checkpointer.save_temporary(step.number)
+                self.clock.pause(time.perf_counter() - began, "checkpoint", self.job_config.checkpoint.interval)
+                continue
             if isinstance(request, SaveNow):
                 self.checkpointer.save_now(step.number)
                 continue

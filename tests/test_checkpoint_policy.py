@@ -4,7 +4,9 @@ import queue
 import signal
 from types import SimpleNamespace
 
-from mhar_titan.components.checkpoint.layout import complete_steps
+import pytest
+
+from mhar_titan.components.checkpoint.layout import TEMPORARY, complete_steps, temporary_steps
 from mhar_titan.components.checkpoint.manager import CPTCheckpointManager
 
 
@@ -24,6 +26,7 @@ def test_purge_keeps_the_last_k_complete_and_every_mth_and_drops_unfinished_writ
     manager = CPTCheckpointManager.__new__(CPTCheckpointManager)
     manager.folder, manager.keep_latest_k, manager.keep_every = str(tmp_path), 3, 8
     manager.kept_steps = {4}  # the checkpoint before a spike ([spikes] keep_checkpoint_before)
+    manager.temporary = set()
     manager.purge_queue = queue.Queue()
     monkeypatch.setattr("mhar_titan.components.checkpoint.manager.dist", SimpleNamespace(get_rank=lambda: 0))
     manager._purge_stale_checkpoints()
@@ -68,6 +71,29 @@ def test_sigusr1_to_a_worker_is_a_stop_request(tmp_path, own_signal_handlers):
     assert watch.local_request() == "SIGUSR1"
 
 
+@pytest.mark.parametrize("keep_latest_k", [2, 0])
+def test_only_the_newest_temporary_checkpoint_stays_until_a_regular_one_is_newer(tmp_path, monkeypatch, keep_latest_k):
+    """The clock's checkpoints ([checkpoint] interval_minutes) count apart from keep_latest_k (0: every regular one
+    kept): the newest stays while it is the newest checkpoint, the others go, and the folder's list forgets them."""
+    make_folder(tmp_path, complete=[2, 3, 4, 6, 7, 8, 9], partial=[10])
+    (tmp_path / TEMPORARY).write_text('{"steps": [3, 7, 9, 10]}')  # 10: a temporary one still being written
+    manager = CPTCheckpointManager.__new__(CPTCheckpointManager)
+    manager.folder, manager.keep_latest_k, manager.keep_every = str(tmp_path), keep_latest_k, 0
+    manager.kept_steps, manager.temporary = set(), temporary_steps(str(tmp_path))
+    manager.purge_queue, manager._told_links = queue.Queue(), set()
+    monkeypatch.setattr("mhar_titan.components.checkpoint.manager.dist", SimpleNamespace(get_rank=lambda: 0))
+    manager._purge_stale_checkpoints()
+    purged = sorted(int(manager.purge_queue.get().rsplit("step-", 1)[1]) for _ in range(manager.purge_queue.qsize()))
+    # regular 2, 4, 6, 8: the last 2 (or all); temporary 9 is newer than any regular one, 10 may be being written
+    assert purged == ([2, 3, 4, 7] if keep_latest_k == 2 else [3, 7])
+    assert temporary_steps(str(tmp_path)) == manager.temporary == {9, 10}
+    # once a regular checkpoint is newer, the temporary ones go too
+    make_folder(tmp_path, complete=[12], partial=[])
+    manager._purge_stale_checkpoints()
+    purged = sorted(int(manager.purge_queue.get().rsplit("step-", 1)[1]) for _ in range(manager.purge_queue.qsize()))
+    assert 9 in purged and 10 in purged and temporary_steps(str(tmp_path)) == set()
+
+
 def test_purge_leaves_a_symlinked_step_folder_and_its_target_alone_and_says_so(tmp_path, monkeypatch, caplog):
     folder, archive = tmp_path / "checkpoint", tmp_path / "archive"
     folder.mkdir()
@@ -77,7 +103,7 @@ def test_purge_leaves_a_symlinked_step_folder_and_its_target_alone_and_says_so(t
     (folder / "step-2").symlink_to(archive / "step-2")  # moved to other storage by hand
     manager = CPTCheckpointManager.__new__(CPTCheckpointManager)
     manager.folder, manager.keep_latest_k, manager.keep_every = str(folder), 2, 0
-    manager.kept_steps = set()
+    manager.kept_steps, manager.temporary = set(), set()
     manager.purge_queue, manager._told_links = queue.Queue(), set()
     monkeypatch.setattr("mhar_titan.components.checkpoint.manager.dist", SimpleNamespace(get_rank=lambda: 0))
     with caplog.at_level("INFO"):

@@ -22,7 +22,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from mhar_titan.components.checkpoint.checksums import verify_share
-from mhar_titan.components.checkpoint.layout import MANIFEST_DIR, complete_steps
+from mhar_titan.components.checkpoint.layout import MANIFEST_DIR, complete_steps, temporary_steps
 from mhar_titan.components.checkpoint.testing import HOLD_SAVE_ENV as HOLD_SAVE
 from mhar_titan.components.tensorboard_scalars import LOSS_TAG, read_scalars
 from mhar_titan.config import parse_config
@@ -339,3 +339,28 @@ def test_a_stop_during_a_background_save_waits_for_it_and_resumes_to_the_same_lo
         want = load_run_checkpoint(str(straight), 8, ema=ema).state_dict()
         got = load_run_checkpoint(str(run), 8, ema=ema).state_dict()
         assert all(torch.equal(got[k], want[k]) for k in want), f"ema={ema}: weights differ"
+
+
+def test_clock_checkpoints_change_nothing_computed_and_a_crash_resumes_from_the_newest(straight, tmp_path):
+    """[checkpoint] interval_minutes: a temporary checkpoint at every step between the interval's (every 2), written
+    in the background. The job dies (SIGKILL) while step 6's save is held before it writes: it resumes from step 5's
+    temporary checkpoint and logs every value of the run without any, and only regular checkpoints remain."""
+    run, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoint"
+    clock = ("--checkpoint.interval_minutes", "0.00001", "--checkpoint.async_mode", "async")  # due at every step
+
+    def kill_once_held(pid: int) -> None:
+        deadline = time.monotonic() + 120
+        while len(list(ckpt.glob("step-6.signal-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        kill_everything(pid)
+
+    launch_until(run, "held in the background", kill_once_held, *clock, env={HOLD_SAVE: "6:cluster"})
+    assert 5 in complete_steps(str(ckpt)) and 6 not in complete_steps(str(ckpt))
+    assert temporary_steps(str(ckpt)) >= {5}
+    rc, log = launch_until(run, None, None, *clock)
+    assert rc == 0, log[-3000:]
+    assert "Training starts at step 6" in log
+    for tag in (LOSS_TAG, GRAD_NORM_TAG, "val/ce", "val/ce_ema", *SPIKE_SCORES):
+        want, got = read_scalars(straight, tag), read_scalars(run, tag)
+        assert got == want, f"{tag}: {got} != uninterrupted {want}"
+    assert complete_steps(str(ckpt)) == [4, 6, 8] and temporary_steps(str(ckpt)) == set()

@@ -115,9 +115,12 @@ class Stop:
 
 @dataclasses.dataclass(frozen=True)
 class SaveNow:
-    """Write a full checkpoint at this step, whatever the interval, and go on. Ask it on every rank alike."""
+    """Write a full checkpoint at this step, whatever the interval, and go on. Ask it on every rank alike. A
+    `temporary` one is written as the interval's are (in the background where async_mode says) and removed once a
+    newer checkpoint is complete; otherwise it is written at once and kept as the interval's are."""
 
     reason: str
+    temporary: bool = False
 
 
 Request = Stop | SaveNow

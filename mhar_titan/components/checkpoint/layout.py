@@ -11,6 +11,7 @@ loading torch or torchtitan.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -20,6 +21,7 @@ STEP_GLOB = f"{STEP_PREFIX}*"
 COMPLETE = ".metadata"  # DCP's (torch/distributed/checkpoint/filesystem.py, _metadata_fn), written last
 SHARD_SUFFIX = ".distcp"  # DCP's rank files, `__<rank>_<i>.distcp` (filesystem.py, DEFAULT_SUFFIX)
 MANIFEST_DIR = "checksums"  # in a step folder: each rank's checksums, rank-<rank>.json
+TEMPORARY = "temporary.json"  # in the checkpoint folder: {"steps": [...]}, the steps saved as temporary checkpoints
 _STEP = re.compile(re.escape(STEP_PREFIX) + r"(\d+)")
 
 
@@ -52,6 +54,32 @@ def complete_steps(folder: str) -> list[int]:
     """Steps with a complete checkpoint (DCP's `.metadata` written), ascending."""
     names = os.listdir(folder) if os.path.isdir(folder) else []
     return sorted(s for n in names if (s := step_of(n)) is not None and is_complete(os.path.join(folder, n)))
+
+
+def temporary_steps(folder: str) -> set[int]:
+    """The steps saved as temporary checkpoints (by the clock, `[checkpoint] interval_minutes`), as the folder's
+    TEMPORARY file lists them; none without one."""
+    try:
+        with open(os.path.join(folder, TEMPORARY)) as f:
+            return {int(step) for step in json.load(f)["steps"]}
+    except FileNotFoundError:
+        return set()
+
+
+def retained(
+    complete: list[int], temporary: set[int], keep_latest_k: int, keep_every: int = 0, kept: set[int] = frozenset()
+) -> set[int]:
+    """The complete steps retention keeps: of the regular checkpoints the last `keep_latest_k` (all if <= 0) and every
+    `keep_every`-th; of the temporary ones the newest, while no regular one is newer; and `kept` (the checkpoint
+    before a spike)."""
+    regular = [s for s in complete if s not in temporary]
+    keep = set(regular[-keep_latest_k:] if keep_latest_k > 0 else regular)
+    if keep_every > 0:
+        keep |= {s for s in regular if s % keep_every == 0}
+    newest = max((s for s in complete if s in temporary), default=None)
+    if newest is not None and newest > max(regular, default=-1):
+        keep.add(newest)
+    return keep | set(kept)
 
 
 def shard_name(rank: int, index: int = 0) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import sys
 import time
@@ -36,12 +37,22 @@ from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection
 
+from data.atomic import write_text
 from data.collectives import gather_objects
 from data.index import share_from_rank0
 from mhar_titan.components.checkpoint import sealed_save, testing
 from mhar_titan.components.checkpoint.checksums import verify_share, without_torch_crc32
 from mhar_titan.components.checkpoint.dcp_io import ParallelFileSystemReader, PinnedStaging
-from mhar_titan.components.checkpoint.layout import FOLDER, complete_steps, is_complete, step_folders, step_of
+from mhar_titan.components.checkpoint.layout import (
+    FOLDER,
+    TEMPORARY,
+    complete_steps,
+    is_complete,
+    retained,
+    step_folders,
+    step_of,
+    temporary_steps,
+)
 from mhar_titan.components.checkpoint.remote import RemoteCheckpoints, is_url
 from mhar_titan.components.checkpoint.sealed_save import ReusedStager, SealedBackgroundWriter, SealedStreamingWriter
 from mhar_titan.components.checkpoint.space import checkpoint_bytes, save_failure
@@ -136,6 +147,8 @@ class CPTCheckpointManager(CheckpointManager):
         if self.enable and self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM and not torch.cuda.is_available():
             self.stager = sealed_save.pinned_stager()  # before torchtitan's save makes its own, which needs a GPU
         self.kept_steps: set[int] = set()  # kept out of retention besides the policy's (the checkpoint before a spike)
+        self.temporary = temporary_steps(self.folder) if self.enable else set()  # the clock's checkpoints
+        self._forced_step: int | None = None  # save_temporary's step, which _should_save lets through
         self._told_links: set[int] = set()
         if not self.enable:
             # torchtitan sets its load policy only with checkpointing on; the base load needs it either way.
@@ -179,12 +192,40 @@ class CPTCheckpointManager(CheckpointManager):
             share_from_rank0(lambda: self.remote.fetch(step) or {})
 
     def retained(self, complete: list[int]) -> set[int]:
-        """The complete steps retention keeps: the last keep_latest_k (all if <= 0), every keep_every-th, and
-        kept_steps (the checkpoint before a spike)."""
-        keep = set(complete[-self.keep_latest_k :] if self.keep_latest_k > 0 else complete)
-        if self.keep_every > 0:
-            keep |= {s for s in complete if s % self.keep_every == 0}
-        return keep | self.kept_steps
+        """The complete steps retention keeps (layout.retained): the last keep_latest_k regular ones (all if <= 0),
+        every keep_every-th, the newest temporary one while no regular one is newer, and kept_steps."""
+        return retained(complete, self.temporary, self.keep_latest_k, self.keep_every, self.kept_steps)
+
+    def save_temporary(self, step: int) -> None:
+        """A temporary checkpoint at `step` (the clock's, `[checkpoint] interval_minutes`): written as the interval's
+        are (in the background where async_mode says, checksummed, `.metadata` last, copied to the store), listed
+        in the checkpoint folder's TEMPORARY file first, and removed once a newer checkpoint is complete."""
+        if not self.enable or self.load_only or self._should_save(step):
+            return  # no checkpoints, or the interval's own save of this step
+        self.temporary.add(step)
+        if dist.get_rank() == 0:
+            self._write_temporary()
+        self._forced_step = step
+        try:
+            self.save(step)
+        finally:
+            self._forced_step = None
+
+    def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
+        forced = self.enable and not self.load_only and curr_step == self._forced_step
+        return forced or super()._should_save(curr_step, last_step)
+
+    def _regular(self, step: int, saving: bool) -> None:
+        """A regular checkpoint at a step the list names (a temporary one of an earlier timeline, which a crash cut
+        before it was written) is not temporary."""
+        if saving and step in self.temporary:
+            self.temporary.discard(step)
+            if dist.get_rank() == 0:
+                self._write_temporary()
+
+    def _write_temporary(self) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        write_text(os.path.join(self.folder, TEMPORARY), json.dumps({"steps": sorted(self.temporary)}))
 
     def _upload(self, checkpoint_id: str, saved: Any = None) -> None:
         """A saved step's copy to the store, in the background (nothing without one)."""
@@ -266,13 +307,14 @@ class CPTCheckpointManager(CheckpointManager):
     def _purge_stale_checkpoints(self) -> None:
         """Forked from torchtitan 0.2.2 torchtitan/components/checkpoint.py, CheckpointManager.
         _purge_stale_checkpoints: counts complete checkpoints only, and keeps every keep_every-th and kept_steps."""
-        if self.keep_latest_k <= 0 or dist.get_rank() != 0 or not os.path.isdir(self.folder):
+        if (self.keep_latest_k <= 0 and not self.temporary) or dist.get_rank() != 0 or not os.path.isdir(self.folder):
             return
         complete = complete_steps(self.folder)
         keep = self.retained(complete) | (self.remote.in_flight if self.remote is not None else set())
         newest = complete[-1] if complete else -1
         present = step_folders(self.folder)
         # complete ones beyond the policy, and unfinished writes older than the newest complete one
+        purged = set()
         for step in sorted(s for s in present if s not in keep and (s in complete or s < newest)):
             path = self._create_checkpoint_id(step)
             if os.path.islink(path):  # placed by hand (moved to other storage): neither the link nor its target
@@ -281,9 +323,17 @@ class CPTCheckpointManager(CheckpointManager):
                     logger.info(f"{path} is a symbolic link (to {os.readlink(path)}): retention leaves it alone")
                 continue
             self.purge_queue.put(path)
+            purged.add(step)
+        # the list forgets the folders on their way out and those gone before (not one a background save is about
+        # to create: newer than any complete checkpoint)
+        listed = {s for s in self.temporary if s not in purged and (s in present or s > newest)}
+        if listed != self.temporary:
+            self.temporary = listed
+            self._write_temporary()
 
     def save(self, curr_step: int, last_step: bool = False) -> None:
         """torchtitan's, then retention after a last-step save too (torchtitan's returns before it)."""
+        self._regular(curr_step, self._should_save(curr_step, last_step) and curr_step != self._forced_step)
         super().save(curr_step, last_step)
         if last_step and self.enable and not self.load_only:
             self._purge_stale_checkpoints()
@@ -298,6 +348,7 @@ class CPTCheckpointManager(CheckpointManager):
         if is_complete(self._create_checkpoint_id(step)):
             return  # the interval save of this step already wrote it
         logger.info(f"Saving a full checkpoint at step {step} now")
+        self._regular(step, True)
         self.dcp_save(
             self._flattened_model_states_sd(),
             checkpoint_id=self._create_checkpoint_id(step),
