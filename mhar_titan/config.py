@@ -130,6 +130,21 @@ class Spikes:
 
 
 @dataclass
+class Watchdog:
+    """`[watchdog]`: a job that makes no progress is ended as hung (exit 124) with every rank's stacks written to
+    <dump_folder>/hangs (mhar_titan/components/watchdog.py), instead of holding its allocation to the time limit."""
+
+    enable: bool = True
+    """Watch every rank from its first step on."""
+    floor_s: float = 600.0
+    """The shortest timeout: longer than anything between two steps (a validation, a checkpoint write)."""
+    factor: float = 20.0
+    """The timeout is this many times the median of the recent steps' time, when that is longer than floor_s."""
+    first_step_s: float = 1800.0
+    """The timeout until the first step is done (compilation, the first collectives)."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -142,6 +157,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     validation: Validation = field(default_factory=Validation)
     spikes: Spikes = field(default_factory=Spikes)
+    watchdog: Watchdog = field(default_factory=Watchdog)
 
 
 def parse_config(argv: list[str]) -> TitanJobConfig:
@@ -163,6 +179,7 @@ def parse_config(argv: list[str]) -> TitanJobConfig:
             f"[model] attention_mask = {config.model.attention_mask!r} must be one of {', '.join(ATTENTION_MASKS)}"
         )
     check_spikes(config.spikes)
+    check_watchdog(config.watchdog)
     check_unused_validation_loader(config)
     check_stages(config)
     fingerprint.check_allow(config.checkpoint.allow_changes)  # at every start: a typo is seen at once
@@ -226,6 +243,14 @@ def check_spikes(spikes: Spikes) -> None:
         raise ValueError(
             f"[spikes] window = {spikes.window}, min_history = {spikes.min_history}, threshold = {spikes.threshold}: "
             "need window >= min_history >= 3 and threshold > 0"
+        )
+
+
+def check_watchdog(watchdog: Watchdog) -> None:
+    if not (watchdog.floor_s > 0 and watchdog.factor > 0 and watchdog.first_step_s > 0):
+        raise ValueError(
+            f"[watchdog] floor_s = {watchdog.floor_s}, factor = {watchdog.factor}, first_step_s = "
+            f"{watchdog.first_step_s}: each must be > 0 (enable = false turns the watchdog off)"
         )
 
 

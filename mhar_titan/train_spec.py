@@ -29,6 +29,7 @@ from mhar_titan.components.run_spikes import RunSpikes
 from mhar_titan.components.step_log import StepLog
 from mhar_titan.components.step_phases import TimeShares
 from mhar_titan.components.validate import Validation, build_fixed_set_validator
+from mhar_titan.components.watchdog import Watchdog
 from mhar_titan.config import MODEL_NAME
 from mhar_titan.hf.ledger import LedgerStateDictAdapter
 from mhar_titan.model.args import FLAVORS
@@ -63,14 +64,16 @@ def train_spec() -> TrainSpec:
 
 def build_hooks(job_config: JobConfig) -> list[Hook]:
     """The concerns the trainer hosts, in the order it calls them at every phase: the run lock first (a job that lost
-    its folder writes nothing more there); the stops in their precedence (non-finite steps, preemption, a source
-    read to its end) and the clock's checkpoint after them, the data's check before a resume is recorded;
-    validation after the EMA it swaps in; the log line's parts in the line's order; a test's resume fault last."""
+    its folder writes nothing more there), the watchdog next; the stops in their precedence (non-finite steps,
+    preemption, a source read to its end) and the clock's checkpoint after them, the data's check before a resume is
+    recorded; validation after the EMA it swaps in; the log line's parts in the line's order; test seams last."""
     ema = EMA(job_config.ema)
     saving = job_config.checkpoint
     clock = [ClockCheckpoints(saving.interval_minutes)] if saving.enable and saving.interval_minutes > 0 else []
+    watch = job_config.watchdog
     hooks = [
         RunFolderLock(),
+        *([Watchdog(watch.floor_s, watch.factor, watch.first_step_s)] if watch.enable else []),
         ema,
         BadSteps(job_config.training.max_bad_steps),
         RunSpikes(job_config.spikes),
@@ -85,4 +88,6 @@ def build_hooks(job_config: JobConfig) -> list[Hook]:
     ]
     if fault := testing.resume_fault():
         hooks.append(testing.ResumeFault(fault))
+    if hang := testing.hang():
+        hooks.append(testing.Hang(*hang))
     return hooks

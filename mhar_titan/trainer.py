@@ -51,6 +51,7 @@ class CPTTrainer(Trainer):
             self.dp_group = None if self.dp_mesh is None else self.dp_mesh.get_group()
             self.dp_degree = 1 if self.dp_mesh is None else self.dp_mesh.size()
             self.data_iterator: Iterator | None = None
+            self.collective_timeout_s = job_config.comm.train_timeout_seconds  # from the 2nd step; a hook may raise it
             self.hooks.set_up(self)
         except BaseException:
             if hasattr(self, "metrics_processor"):
@@ -98,7 +99,7 @@ class CPTTrainer(Trainer):
                 for tracer in filter(None, (profiler, memory)):
                     tracer.step()
                 if first:  # compile and lazy init are done: shorter timeouts for a faster signal
-                    timeout = timedelta(seconds=cfg.comm.train_timeout_seconds)
+                    timeout = timedelta(seconds=self.collective_timeout_s)
                     dist_utils.set_pg_timeouts(timeout=timeout, parallel_dims=self.parallel_dims)
                     first = False
         # Every rank done with its collectives before any tears down (a rank leaving early can abort a peer in one);

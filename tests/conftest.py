@@ -32,6 +32,7 @@ SLOWEST_FIRST = (
     "test_float8.py",
     "test_train_mhar.py",
     "test_hook_extension.py",
+    "test_watchdog.py",
     "test_recipe_train.py",
     "test_train_stages.py",
     "test_hf_distributed.py",

@@ -13,6 +13,9 @@ key or command-line flag reaches them, and with the variables unset nothing here
   preflight's stage d) can be shown to catch it: the data one batch off, the optimizer moments lost, the LR schedule
   restarted, the EMA restarted from the loaded weights. Tests and benchmarks/resume_spread.py set it.
 - MHAR_TEST_FAIL_UPLOAD=<step>:<rank>: that rank's upload of that step to the store fails (remote.py).
+- MHAR_TEST_HANG=<step>:<site>: one rank stops for good at that step, where a job hangs for real: `collective` (rank
+  1 before the step's readback, which rank 0 then waits in), `loader` (rank 0 reading the step's batches) or `save`
+  (rank 1 writing the step's checkpoint). For the watchdog's tests (components/watchdog.py).
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from typing import Any
 
 from torchtitan.tools.logging import logger
 
-from mhar_titan.components.checkpoint.layout import step_folder
+from mhar_titan.components.checkpoint.layout import step_folder, step_of
 from mhar_titan.components.ema import STATE as EMA_STATE
-from mhar_titan.components.hooks import Hook
+from mhar_titan.components.hooks import Hook, Scalar, Step
 
 HOLD_SAVE_ENV = "MHAR_TEST_HOLD_SAVE"
 HOLD_TIMEOUT_S = 300.0  # a hold nobody releases fails the save instead of hanging the job
@@ -40,6 +43,8 @@ FAULTS = {
     "ema": "the EMA restarted from the loaded weights",
 }
 FAIL_UPLOAD_ENV = "MHAR_TEST_FAIL_UPLOAD"  # `STEP:RANK` makes that rank's upload of that step fail
+HANG_ENV = "MHAR_TEST_HANG"
+HANG_SITES = ("collective", "loader", "save")
 
 
 # -- MHAR_TEST_HOLD_SAVE ---------------------------------------------------------------------------------------------
@@ -126,6 +131,8 @@ def release(checkpoint_id: str | None) -> None:
 def before_write(checkpoint_id: str, owner: int) -> None:
     """In the writer (a thread of the training process, or torch's checkpoint process), before any file: hold
     until the training process `owner` announces that it waits."""
+    if (at := hang()) and at == (step_of(os.path.basename(os.path.normpath(checkpoint_id))), "save") and _rank() == 1:
+        hang_forever()
     if not _held(checkpoint_id):
         return
     flag, deadline = _flag(checkpoint_id, owner), time.monotonic() + HOLD_TIMEOUT_S
@@ -192,3 +199,59 @@ def fail_upload(step: int, rank: int) -> None:
     """In an upload to the store (remote.py), before anything is put: the store's refusal, where a test asks."""
     if os.environ.get(FAIL_UPLOAD_ENV, "") == f"{step}:{rank}":
         raise OSError(f"the store refused the upload ({FAIL_UPLOAD_ENV}, a test)")
+
+
+# -- MHAR_TEST_HANG --------------------------------------------------------------------------------------------------
+
+
+def hang() -> tuple[int, str] | None:
+    """The step and site of the hang the environment asks for, or None; a bad value is an error naming the sites."""
+    value = os.environ.get(HANG_ENV, "").strip()
+    if not value:
+        return None
+    step, _, site = value.partition(":")
+    if not step.isdigit() or site not in HANG_SITES:
+        raise ValueError(f"{HANG_ENV}={value!r}: <step>:<site>, the site one of {', '.join(HANG_SITES)}")
+    return int(step), site
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def hang_forever() -> None:
+    """Where the hang is (the name the stacks show)."""
+    logger.warning(f"TEST HANG ({HANG_ENV}): rank {_rank()} stops here for good")
+    while True:
+        time.sleep(1)
+
+
+class _Stuck:
+    """A data iterator that never returns."""
+
+    def __iter__(self) -> _Stuck:
+        return self
+
+    def __next__(self) -> Any:
+        hang_forever()
+
+
+class Hang(Hook):
+    """The hang the environment asks for, at its step and site (train_spec.build_hooks adds it last)."""
+
+    name = "test_hang"
+
+    def __init__(self, step: int, site: str):
+        self.at, self.site = step, site
+
+    def set_up(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def scalars(self, step: Step) -> dict[str, Scalar]:
+        if self.site == "collective" and step.number == self.at and _rank() == 1:
+            hang_forever()
+        return {}
+
+    def after_save(self, step: Step) -> None:
+        if self.site == "loader" and step.number == self.at - 1 and _rank() == 0:
+            self.trainer.data_iterator = _Stuck()  # the next step's batches
