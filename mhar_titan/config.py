@@ -15,6 +15,7 @@ from torchtitan.config import JobConfig as TitanJobConfig
 from data.config import DataConfig
 from data.loader import check_stages
 from mhar_titan.components import fingerprint
+from mhar_titan.components.alerts import EVENTS as ALERT_EVENTS
 from mhar_titan.config_check import check_config_file
 from mhar_titan.model.args import MHAR
 
@@ -145,6 +146,19 @@ class Watchdog:
 
 
 @dataclass
+class Alerts:
+    """`[alerts]`: a JSON POST in Slack's form ({"text": ...}) to a webhook on the events named
+    (mhar_titan/components/alerts.py); rank 0 posts from a thread, training never waits, a failure is logged."""
+
+    webhook: str = ""
+    """The webhook's URL (empty: no alerts), e.g. a Slack incoming webhook."""
+    events: list[str] = field(
+        default_factory=lambda: ["crash", "hang", "spike", "finish", "restart", "restarts_exhausted"]
+    )
+    """Which events post: crash, hang, spike, finish, restart, restarts_exhausted."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -158,6 +172,7 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     spikes: Spikes = field(default_factory=Spikes)
     watchdog: Watchdog = field(default_factory=Watchdog)
+    alerts: Alerts = field(default_factory=Alerts)
 
 
 def parse_config(argv: list[str]) -> TitanJobConfig:
@@ -180,6 +195,9 @@ def parse_config(argv: list[str]) -> TitanJobConfig:
         )
     check_spikes(config.spikes)
     check_watchdog(config.watchdog)
+    unknown = sorted(set(config.alerts.events) - set(ALERT_EVENTS))
+    if unknown:
+        raise ValueError(f"[alerts] events: {', '.join(unknown)} unknown; known: {', '.join(ALERT_EVENTS)}")
     check_unused_validation_loader(config)
     check_stages(config)
     fingerprint.check_allow(config.checkpoint.allow_changes)  # at every start: a typo is seen at once

@@ -13,6 +13,7 @@ from torchtitan.config import JobConfig
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 
 from data.loader import build_parquet_dataloader
+from mhar_titan.components.alerts import Alerts
 from mhar_titan.components.bad_steps import BadSteps
 from mhar_titan.components.checkpoint import testing
 from mhar_titan.components.clock_checkpoints import ClockCheckpoints
@@ -70,13 +71,18 @@ def build_hooks(job_config: JobConfig) -> list[Hook]:
     ema = EMA(job_config.ema)
     saving = job_config.checkpoint
     clock = [ClockCheckpoints(saving.interval_minutes)] if saving.enable and saving.interval_minutes > 0 else []
-    watch = job_config.watchdog
+    watch, alert = job_config.watchdog, job_config.alerts
+    watchdog = [Watchdog(watch.floor_s, watch.factor, watch.first_step_s)] if watch.enable else []
+    spikes = RunSpikes(job_config.spikes)
+    alerts = [Alerts(alert.webhook, alert.events, spikes)] if alert.webhook else []
+    if watchdog and alerts:
+        watchdog[0].on_hang.append(alerts[0].hung)
     hooks = [
         RunFolderLock(),
-        *([Watchdog(watch.floor_s, watch.factor, watch.first_step_s)] if watch.enable else []),
+        *watchdog,
         ema,
         BadSteps(job_config.training.max_bad_steps),
-        RunSpikes(job_config.spikes),
+        spikes,
         Preemption(),
         DataProgress(),
         *clock,  # after the stops: a stop's checkpoint comes first
@@ -85,6 +91,7 @@ def build_hooks(job_config: JobConfig) -> list[Hook]:
         Validation(ema),
         StepLog(),
         TimeShares(),
+        *alerts,  # after the spikes it reports
     ]
     if fault := testing.resume_fault():
         hooks.append(testing.ResumeFault(fault))

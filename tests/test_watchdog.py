@@ -4,6 +4,7 @@ stopped; the timeout sized from the steps' time."""
 
 import pytest
 from conftest import torchrun
+from webhook_server import Webhook
 
 from mhar_titan.components.checkpoint.testing import HANG_ENV
 from mhar_titan.components.exit_codes import HUNG
@@ -20,13 +21,20 @@ def test_the_timeout_is_the_first_steps_until_a_step_time_is_known_then_the_floo
 SITES = [("collective", 1), ("loader", 0), ("save", 1)]
 
 
+@pytest.fixture(scope="module")
+def webhook():
+    server = Webhook()
+    yield server
+    server.close()
+
+
 @pytest.mark.parametrize(("site", "stuck"), SITES, ids=[s for s, _ in SITES])
-def test_a_rank_stuck_for_good_ends_the_job_as_hung_with_every_ranks_stacks(tmp_path, site, stuck):
-    run = tmp_path / "run"
+def test_a_rank_stuck_for_good_ends_the_job_as_hung_with_every_ranks_stacks(tmp_path, webhook, site, stuck):
+    run, before = tmp_path / "run", len(webhook.posts)
     proc = torchrun(
         run,
         *("--training.steps", "5", "--checkpoint.interval", "3"),
-        *("--watchdog.floor_s", "3", "--watchdog.factor", "1"),
+        *("--watchdog.floor_s", "3", "--watchdog.factor", "1", "--alerts.webhook", webhook.url),
         env={HANG_ENV: f"3:{site}"},
         check=False,
         timeout=300,
@@ -42,3 +50,7 @@ def test_a_rank_stuck_for_good_ends_the_job_as_hung_with_every_ranks_stacks(tmp_
         assert ("hang_forever" in text) == (rank == stuck), text
     assert "hung: no progress for" in log and f"exiting {HUNG}" in log
     assert "step 2/5" in log and "step 4/5" not in log
+    # rank 0's alert, posted before its exit (rank 1 posts none)
+    (alert,) = webhook.texts()[before:]
+    assert alert.startswith(f"[hang] tiny CPU demo ({run}, ") and ": no progress for " in alert, alert
+    assert alert.endswith(f"stacks in {run / 'hangs' / 'step-3-rank-0.txt'}"), alert

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ class Watchdog(Hook):
         self._last_step_end: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.on_hang: list[Callable[[str], None]] = []  # told the cause before the exit (an alert)
 
     def set_up(self, trainer: Any) -> None:
         self.folder = os.path.join(trainer.job_config.job.dump_folder, FOLDER)
@@ -112,6 +114,8 @@ class Watchdog(Hook):
             faulthandler.dump_traceback(file=f, all_threads=True)
         _flight_recorder(path[: -len(".txt")] + ".nccl.json")
         logger.error(f"hung: {cause}; every thread's stack in {path}; exiting {HUNG}")
+        for tell in self.on_hang:
+            tell(f"{cause}; stacks in {path}")
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(HUNG)
