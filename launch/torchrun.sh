@@ -3,6 +3,7 @@
 #                    [--dry-run|--print-dump-folder] CONFIG [--section.key value ...]
 # N processes per node (default: the visible GPUs, or 2 CPU processes without one); one node unless --nnodes > 1.
 # Overrides go to the TOML (e.g. --training.steps 100). SIGTERM/SIGUSR1 -> <dump_folder>/STOP; exit 75 = requeue.
+# A crash or a hang is relaunched from the last checkpoint within [job] max_restarts (docs/health.md).
 #
 # One node runs torchrun --standalone; with --nnodes > 1 every node runs this script with the same
 # --rdzv-endpoint (a host of the allocation, any free port) and --rdzv-id, and torchrun meets over c10d.
@@ -19,18 +20,19 @@
 # removes a STOP that carries another (left by an earlier job).
 #
 # --dry-run prints the torchrun command on stdout (and the dump folder on stderr) and runs nothing;
-# --print-dump-folder prints the dump folder only. The interpreter: $PYTHON if set, else the
+# --print-dump-folder prints the dump folder only, --print-python the interpreter. The interpreter: $PYTHON if set, else the
 # repository's .venv/bin/python (what `make install` creates), else python3 or python on PATH.
 set -euo pipefail
 
 me=launch/torchrun.sh
 REQUEUE_EXIT_CODE=75
+HUNG_EXIT_CODE=124
 usage() { sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 die() { echo "$me: $*" >&2; exit 2; }
 need_value() { [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || die "$1 needs a value"; }
 positive_int() { [[ "$2" =~ ^[1-9][0-9]*$ ]] || die "$1 must be a positive integer, got '$2'"; }
 
-nproc="" nnodes=1 rdzv_endpoint="" rdzv_id="" launch_id="" dry_run=0 print_dump=0
+nproc="" nnodes=1 rdzv_endpoint="" rdzv_id="" launch_id="" dry_run=0 print_dump=0 print_python=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --nproc|--nnodes|--rdzv-endpoint|--rdzv-id|--launch-id)
@@ -50,6 +52,7 @@ while [[ $# -gt 0 ]]; do
     --launch-id=*) launch_id="${1#*=}"; shift ;;
     --dry-run) dry_run=1; shift ;;
     --print-dump-folder) print_dump=1; shift ;;
+    --print-python) print_python=1; shift ;;
     -h|--help) usage 0 ;;
     *) break ;;
   esac
@@ -79,6 +82,10 @@ else
   die "no Python: no \$PYTHON, no $repo/.venv (make install creates it) and no python3 or python on PATH; set PYTHON=/path/to/python (the environment with torch and mhar-titan installed)"
 fi
 [[ "${MARKER_WAIT_S:-10}" =~ ^[0-9]+$ ]] || die "MARKER_WAIT_S must be a whole number of seconds, got '$MARKER_WAIT_S'"
+if [[ $print_python -eq 1 ]]; then
+  printf '%s\n' "$python"
+  exit 0
+fi
 
 # The dump folder, as the trainer will see it: the last --job.dump_folder override wins.
 dump=""
@@ -157,7 +164,9 @@ marker_is_new() { [[ -f "$marker" && "$(marker_id)" != "$marker_before" ]]; }
 # A STOP left in the folder is not removed here: the trainer, once it holds the run folder's lock,
 # removes one written by another launch and obeys one written by this one.
 # shellcheck disable=SC2329  # called from the traps below
+stopping=0  # a signal asked the job to stop: it is not restarted
 request_stop() {
+  stopping=1
   echo "$me: got SIG$1; asking the trainer to checkpoint and stop ($dump/STOP)" >&2
   { mkdir -p "$dump" && printf '%s\n' "$launch_id" >"$dump/.STOP.$$" && mv -f "$dump/.STOP.$$" "$dump/STOP"; } \
     || echo "$me: could not write $dump/STOP" >&2
@@ -166,28 +175,42 @@ trap 'request_stop TERM' TERM
 trap 'request_stop USR1' USR1
 trap ':' INT  # Ctrl-C reaches torchrun itself (same process group); keep waiting for it to finish
 
-# The child gets default signal dispositions (a plain `cmd &` would ignore SIGINT).
-( trap - INT QUIT; exec "${cmd[@]}" ) &
-child=$!
-
-# `wait` returns early when a trapped signal arrives: wait until the child has really exited.
 while :; do
-  if wait "$child"; then rc=0; else rc=$?; fi
-  kill -0 "$child" 2>/dev/null || break
-done
-if wait "$child"; then rc=0; else rc=$?; fi  # the child's own status, even if the last wait was interrupted
+  launched=$(date +%s)
+  # The child gets default signal dispositions (a plain `cmd &` would ignore SIGINT).
+  ( trap - INT QUIT; exec "${cmd[@]}" ) &
+  child=$!
 
-# With several nodes the marker is written by global rank 0, maybe on another node: give a shared
-# file system up to MARKER_WAIT_S seconds (default 10) to show it.
-if [[ $rc -ne 0 && $nnodes -gt 1 ]] && ! marker_is_new; then
-  for ((waited = 0; waited < ${MARKER_WAIT_S:-10}; waited++)); do
-    ls "$dump" >/dev/null 2>&1 || true
-    marker_is_new && break
-    sleep 1
+  # `wait` returns early when a trapped signal arrives: wait until the child has really exited.
+  while :; do
+    if wait "$child"; then rc=0; else rc=$?; fi
+    kill -0 "$child" 2>/dev/null || break
   done
-fi
-if marker_is_new; then
-  echo "$me: the trainer checkpointed and stopped ($marker); exit $REQUEUE_EXIT_CODE to requeue" >&2
-  exit "$REQUEUE_EXIT_CODE"
-fi
-exit "$rc"
+  if wait "$child"; then rc=0; else rc=$?; fi  # the child's own status, even if the last wait was interrupted
+
+  # With several nodes the marker is written by global rank 0, maybe on another node: give a shared
+  # file system up to MARKER_WAIT_S seconds (default 10) to show it.
+  if [[ $rc -ne 0 && $nnodes -gt 1 ]] && ! marker_is_new; then
+    for ((waited = 0; waited < ${MARKER_WAIT_S:-10}; waited++)); do
+      ls "$dump" >/dev/null 2>&1 || true
+      marker_is_new && break
+      sleep 1
+    done
+  fi
+  if marker_is_new; then
+    echo "$me: the trainer checkpointed and stopped ($marker); exit $REQUEUE_EXIT_CODE to requeue" >&2
+    exit "$REQUEUE_EXIT_CODE"
+  fi
+  # A crash (1) or a hang (124): recorded, and started again from the last checkpoint within [job] max_restarts
+  # (python -m mhar_titan.restarts says whether and when); under SLURM the job is requeued instead (slurm.sbatch).
+  if [[ ($rc -eq 1 || $rc -eq $HUNG_EXIT_CODE) && $stopping -eq 0 && "${MHAR_RESTARTS_BY:-}" != slurm ]]; then
+    decision=$("$python" -m mhar_titan.restarts "$rc" "$launched" "$config" "$@") || decision=stop
+    if [[ "$decision" == restart\ * ]]; then
+      sleep "${decision#restart }" & wait $! || true  # a signal meanwhile stops here
+      [[ $stopping -eq 0 ]] || exit "$rc"
+      marker_before=$(marker_id)
+      continue
+    fi
+  fi
+  exit "$rc"
+done

@@ -36,6 +36,13 @@ class Job:
     run_lock_wait_s: float = 900.0
     """A requeued SLURM job whose earlier run still holds the lock (still writing its last checkpoint) waits
     this many seconds for it; any other job on a locked folder is refused at once."""
+    max_restarts: int = 3
+    """A crashed or hung job is started again from its last checkpoint at most this many times within
+    restart_window_minutes (launch/torchrun.sh relaunches it, launch/slurm.sbatch requeues it; 0: never)."""
+    restart_window_minutes: float = 60.0
+    """The window max_restarts counts in."""
+    restart_backoff_s: float = 30.0
+    """The wait before a restart, doubled for each restart already in the window."""
 
 
 @dataclass

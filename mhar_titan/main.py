@@ -11,10 +11,10 @@ import torch
 from torchtitan.tools.logging import init_logger, logger
 
 from mhar_titan import cpu
-from mhar_titan.components import run_record
+from mhar_titan.components import endings, run_record
 from mhar_titan.components.exit_codes import REFUSED as REFUSED_EXIT_CODE
 from mhar_titan.components.hooks import Hook
-from mhar_titan.components.run_lock import LockHeld
+from mhar_titan.components.run_lock import LockHeld, LockLost
 from mhar_titan.config import parse_config
 from mhar_titan.train_spec import build_hooks, train_spec
 from mhar_titan.trainer import CPTTrainer
@@ -36,6 +36,12 @@ def refusals() -> Iterator[None]:
         if os.path.isfile(error_file):
             os.remove(error_file)
         raise SystemExit(REFUSED_EXIT_CODE) from None
+
+
+def _ended(trainer: CPTTrainer, code: int, cause: str) -> None:
+    if trainer.job_config.checkpoint.create_seed_checkpoint or torch.distributed.get_rank() != 0:
+        return
+    endings.record_ending(trainer.job_config.job.dump_folder, code, trainer.step, cause)
 
 
 def run(argv: list[str], trainer_cls: type[CPTTrainer] = CPTTrainer, hooks: Sequence[Hook] = ()) -> None:
@@ -64,6 +70,15 @@ def run(argv: list[str], trainer_cls: type[CPTTrainer] = CPTTrainer, hooks: Sequ
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
+            _ended(trainer, 0, "finished its steps")
+    except SystemExit as e:  # a chosen end (a preemption, a source run out, a hook's stop), once the run is ours
+        if trainer is not None and isinstance(e.code, int) and not isinstance(e, LockLost):
+            _ended(trainer, e.code, type(e).__name__)
+        raise
+    except Exception as e:  # a crash: said where, for the launcher
+        if trainer is not None:
+            endings.record_crash(config.job.dump_folder, torch.distributed.get_rank(), trainer.step, e)
+        raise
     finally:
         if trainer is not None:
             trainer.close()

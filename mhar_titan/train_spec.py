@@ -97,4 +97,6 @@ def build_hooks(job_config: JobConfig) -> list[Hook]:
         hooks.append(testing.ResumeFault(fault))
     if hang := testing.hang():
         hooks.append(testing.Hang(*hang))
+    if crash := testing.crash():
+        hooks.append(testing.Crash(*crash))
     return hooks

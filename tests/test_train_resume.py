@@ -23,7 +23,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from mhar_titan.components.checkpoint.checksums import verify_share
 from mhar_titan.components.checkpoint.layout import MANIFEST_DIR, complete_steps, temporary_steps
+from mhar_titan.components.checkpoint.testing import CRASH_ENV
 from mhar_titan.components.checkpoint.testing import HOLD_SAVE_ENV as HOLD_SAVE
+from mhar_titan.components.endings import read_endings
 from mhar_titan.components.tensorboard_scalars import LOSS_TAG, read_scalars
 from mhar_titan.config import parse_config
 from mhar_titan.hf.run import load_run_checkpoint
@@ -364,3 +366,26 @@ def test_clock_checkpoints_change_nothing_computed_and_a_crash_resumes_from_the_
         want, got = read_scalars(straight, tag), read_scalars(run, tag)
         assert got == want, f"{tag}: {got} != uninterrupted {want}"
     assert complete_steps(str(ckpt)) == [4, 6, 8] and temporary_steps(str(ckpt)) == set()
+
+
+def test_a_crashed_job_is_relaunched_from_its_checkpoint_and_the_same_crash_twice_is_not(straight, tmp_path):
+    """launch/torchrun.sh after a crash (rank 1 raising after step 5, once): the ending recorded, the job relaunched
+    at once ([job] restart_backoff_s 0) from step 4's checkpoint, ending with the uninterrupted run's values. A crash
+    at the same step at every launch is restarted once, then not: exit 1, the line naming it."""
+    run, no_wait = tmp_path / "run", ("--job.restart_backoff_s", "0")
+    rc, log = launch_until(run, None, None, *no_wait, env={CRASH_ENV: "5:once"})
+    assert rc == 0, log[-3000:]
+    cause = f"RuntimeError: TEST CRASH ({CRASH_ENV}) after step 5"
+    assert f"crashed (exit 1) at step 5, rank 1: {cause}: restart 1 of 3 in 0 s" in log
+    assert "Training starts at step 5" in log
+    for tag in (LOSS_TAG, GRAD_NORM_TAG, "val/ce", "val/ce_ema", *SPIKE_SCORES):
+        want, got = read_scalars(straight, tag), read_scalars(run, tag)
+        assert got == want, f"{tag}: {got} != uninterrupted {want}"
+    ended = [(e["class"], e["step"], e["rank"], e["cause"]) for e in read_endings(str(run))]
+    assert ended == [("crashed", 5, 1, cause), ("finished", 8, 0, "finished its steps")]
+
+    again = tmp_path / "again"
+    rc, log = launch_until(again, None, None, *no_wait, env={CRASH_ENV: "3:always"})
+    assert rc == 1
+    assert f"crashed (exit 1) at step 3, rank 1: {cause[:-1]}3, twice in a row: not restarted" in log
+    assert [(e["class"], e["step"]) for e in read_endings(str(again))] == [("crashed", 3), ("crashed", 3)]

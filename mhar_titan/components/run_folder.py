@@ -17,7 +17,7 @@ from mhar_titan.components import fingerprint, run_checks, run_record
 from mhar_titan.components.hooks import Hook, Scalar, Step, on_device
 from mhar_titan.components.lr_schedule import apply_settings
 from mhar_titan.components.optimizer import config_kwargs, group_settings, lr_multiplier
-from mhar_titan.components.run_lock import RunLock, acquire_everywhere, lock_lost
+from mhar_titan.components.run_lock import LockLost, RunLock, acquire_everywhere
 
 
 class RunFolderLock(Hook):
@@ -42,7 +42,9 @@ class RunFolderLock(Hook):
 
     def after_step(self, step: Step) -> None:
         if step.values["lock_lost"]:
-            raise lock_lost(step.number, self.folder)
+            lost = LockLost(step.number, self.folder)
+            logger.error(lost.line)
+            raise lost
 
     def close(self) -> None:
         if self.lock is not None:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from data.atomic import pid_alive, process_start
+from mhar_titan.components.exit_codes import LOCK_LOST
 
 LOCK_FILE = "run.lock"
 
@@ -259,9 +260,14 @@ def acquire_everywhere(lock: RunLock | None, share: Callable[[Callable[[], dict]
             raise LockHeld(verdict["line"])
 
 
-def lock_lost(step: int, dump_folder: str) -> RuntimeError:
-    """The error a job stops with once another job has taken its run folder over: it writes nothing more there."""
-    return RuntimeError(
-        f"step {step}: {os.path.join(dump_folder, LOCK_FILE)} was taken over by another job (this job's heartbeat "
-        "had stalled past [job] run_lock_stale_s); stopping without writing anything more to the run folder"
-    )
+class LockLost(SystemExit):
+    """A job stops with it once another job has taken its run folder over: it writes nothing more there (not even a
+    crash record), and its launcher does not start it again (exit LOCK_LOST)."""
+
+    def __init__(self, step: int, dump_folder: str):
+        super().__init__(LOCK_LOST)
+        self.line = (
+            f"step {step}: {os.path.join(dump_folder, LOCK_FILE)} was taken over by another job (this job's "
+            "heartbeat had stalled past [job] run_lock_stale_s); stopping without writing anything more to the run "
+            f"folder (exit {LOCK_LOST})"
+        )

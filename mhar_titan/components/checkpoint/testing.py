@@ -16,6 +16,9 @@ key or command-line flag reaches them, and with the variables unset nothing here
 - MHAR_TEST_HANG=<step>:<site>: one rank stops for good at that step, where a job hangs for real: `collective` (rank
   1 before the step's readback, which rank 0 then waits in), `loader` (rank 0 reading the step's batches) or `save`
   (rank 1 writing the step's checkpoint). For the watchdog's tests (components/watchdog.py).
+- MHAR_TEST_CRASH=<step>:<once|always>: rank 1 raises an error after that step; `once` only where the run folder
+  has no crash record of that step and rank yet (so a restarted job gets past it). For the restarts' tests
+  (components/endings.py).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ FAULTS = {
 }
 FAIL_UPLOAD_ENV = "MHAR_TEST_FAIL_UPLOAD"  # `STEP:RANK` makes that rank's upload of that step fail
 HANG_ENV = "MHAR_TEST_HANG"
+CRASH_ENV = "MHAR_TEST_CRASH"
 HANG_SITES = ("collective", "loader", "save")
 
 
@@ -255,3 +259,33 @@ class Hang(Hook):
     def after_save(self, step: Step) -> None:
         if self.site == "loader" and step.number == self.at - 1 and _rank() == 0:
             self.trainer.data_iterator = _Stuck()  # the next step's batches
+
+
+# -- MHAR_TEST_CRASH -------------------------------------------------------------------------------------------------
+
+
+def crash() -> tuple[int, bool] | None:
+    """The step of the crash the environment asks for and whether it recurs, or None."""
+    value = os.environ.get(CRASH_ENV, "").strip()
+    if not value:
+        return None
+    step, _, how = value.partition(":")
+    if not step.isdigit() or how not in ("once", "always"):
+        raise ValueError(f"{CRASH_ENV}={value!r}: <step>:once or <step>:always")
+    return int(step), how == "always"
+
+
+class Crash(Hook):
+    """Rank 1's error after the step the environment names (train_spec.build_hooks adds it last)."""
+
+    name = "test_crash"
+
+    def __init__(self, step: int, always: bool):
+        self.at, self.always = step, always
+
+    def set_up(self, trainer: Any) -> None:
+        self.record = os.path.join(trainer.job_config.job.dump_folder, "crashes", f"step-{self.at}-rank-1.json")
+
+    def after_step(self, step: Step) -> None:
+        if step.number == self.at and _rank() == 1 and (self.always or not os.path.exists(self.record)):
+            raise RuntimeError(f"TEST CRASH ({CRASH_ENV}) after step {step.number}")
