@@ -20,6 +20,7 @@ from pathlib import Path
 REQUIRE_ENV = "MHAR_REQUIRE_SLURM"
 DAEMONS = ("slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "squeue", "scancel", "srun")
+KICK_AFTER_S = 5.0
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
@@ -47,6 +48,7 @@ class SlurmCluster:
         self.conf = root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self.kill_wait_s = kill_wait_s
+        self._waiting: dict[int, float] = {}  # requeued jobs waiting for their BeginTime, since when
 
     def _write_conf(self) -> None:
         for sub in ("state", "spool", "log"):
@@ -127,10 +129,17 @@ PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
         return dict(re.findall(r"(\w+)=(\S*)", text))
 
     def kick(self, job_id: int) -> dict[str, str]:
-        """The job's fields; a requeued job waiting for its BeginTime (about two minutes on) is started now."""
+        """The job's fields; a requeued job waiting for its BeginTime (about two minutes on) is started once it has
+        waited KICK_AFTER_S (started at once, it can be killed as "non-startable: Job credential revoked", its last
+        run not yet cleaned up)."""
         fields = self.job(job_id)
         if fields["JobState"] == "PENDING" and fields.get("Reason") == "BeginTime":
-            self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+            since = self._waiting.setdefault(job_id, time.monotonic())
+            if time.monotonic() - since >= KICK_AFTER_S:
+                self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+                self._waiting.pop(job_id)
+        else:
+            self._waiting.pop(job_id, None)
         return fields
 
     def wait(self, job_id: int, states: tuple[str, ...] = ENDED, timeout_s: float = 600) -> dict[str, str]:

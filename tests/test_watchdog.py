@@ -34,7 +34,7 @@ def test_a_rank_stuck_for_good_ends_the_job_as_hung_with_every_ranks_stacks(tmp_
     proc = torchrun(
         run,
         *("--training.steps", "5", "--checkpoint.interval", "3"),
-        *("--watchdog.floor_s", "3", "--watchdog.factor", "1", "--alerts.webhook", webhook.url),
+        *("--watchdog.floor_s", "10", "--watchdog.factor", "2", "--alerts.webhook", webhook.url),
         env={HANG_ENV: f"3:{site}"},
         check=False,
         timeout=300,

@@ -13,9 +13,10 @@ key or command-line flag reaches them, and with the variables unset nothing here
   preflight's stage d) can be shown to catch it: the data one batch off, the optimizer moments lost, the LR schedule
   restarted, the EMA restarted from the loaded weights. Tests and benchmarks/resume_spread.py set it.
 - MHAR_TEST_FAIL_UPLOAD=<step>:<rank>: that rank's upload of that step to the store fails (remote.py).
-- MHAR_TEST_HANG=<step>:<site>: one rank stops for good at that step, where a job hangs for real: `collective` (rank
-  1 before the step's readback, which rank 0 then waits in), `loader` (rank 0 reading the step's batches) or `save`
-  (rank 1 writing the step's checkpoint). For the watchdog's tests (components/watchdog.py).
+- MHAR_TEST_HANG=<step>:<site>[:once]: one rank stops for good at that step, where a job hangs for real:
+  `collective` (rank 1 before the step's readback, which rank 0 then waits in), `loader` (rank 0 reading the step's
+  batches) or `save` (rank 1 writing the step's checkpoint); with `once`, only where the run folder has no stacks
+  of that hang yet (a restarted job gets past it). For the watchdog's tests (components/watchdog.py).
 - MHAR_TEST_CRASH=<step>:<once|always>: rank 1 raises an error after that step; `once` only where the run folder
   has no crash record of that step and rank yet (so a restarted job gets past it). For the restarts' tests
   (components/endings.py).
@@ -135,8 +136,11 @@ def release(checkpoint_id: str | None) -> None:
 def before_write(checkpoint_id: str, owner: int) -> None:
     """In the writer (a thread of the training process, or torch's checkpoint process), before any file: hold
     until the training process `owner` announces that it waits."""
-    if (at := hang()) and at == (step_of(os.path.basename(os.path.normpath(checkpoint_id))), "save") and _rank() == 1:
-        hang_forever()
+    at, step = hang(), step_of(os.path.basename(os.path.normpath(checkpoint_id)))
+    if at and at[:2] == (step, "save") and _rank() == 1:
+        run = os.path.dirname(os.path.dirname(os.path.normpath(checkpoint_id)))  # <dump>/checkpoint/step-N
+        if not (at[2] and _hung_before(run, step)):
+            hang_forever()
     if not _held(checkpoint_id):
         return
     flag, deadline = _flag(checkpoint_id, owner), time.monotonic() + HOLD_TIMEOUT_S
@@ -208,15 +212,23 @@ def fail_upload(step: int, rank: int) -> None:
 # -- MHAR_TEST_HANG --------------------------------------------------------------------------------------------------
 
 
-def hang() -> tuple[int, str] | None:
-    """The step and site of the hang the environment asks for, or None; a bad value is an error naming the sites."""
+def hang() -> tuple[int, str, bool] | None:
+    """The step and site of the hang the environment asks for and whether only once, or None; a bad value is an
+    error naming the sites."""
     value = os.environ.get(HANG_ENV, "").strip()
     if not value:
         return None
-    step, _, site = value.partition(":")
-    if not step.isdigit() or site not in HANG_SITES:
-        raise ValueError(f"{HANG_ENV}={value!r}: <step>:<site>, the site one of {', '.join(HANG_SITES)}")
-    return int(step), site
+    step, _, rest = value.partition(":")
+    site, _, once = rest.partition(":")
+    if not step.isdigit() or site not in HANG_SITES or once not in ("", "once"):
+        raise ValueError(f"{HANG_ENV}={value!r}: <step>:<site>[:once], the site one of {', '.join(HANG_SITES)}")
+    return int(step), site, once == "once"
+
+
+def _hung_before(dump_folder: str, step: int) -> bool:
+    return os.path.isdir(os.path.join(dump_folder, "hangs")) and any(
+        n.startswith(f"step-{step}-rank-") for n in os.listdir(os.path.join(dump_folder, "hangs"))
+    )
 
 
 def _rank() -> int:
@@ -245,19 +257,20 @@ class Hang(Hook):
 
     name = "test_hang"
 
-    def __init__(self, step: int, site: str):
-        self.at, self.site = step, site
+    def __init__(self, step: int, site: str, once: bool = False):
+        self.at, self.site, self.once = step, site, once
 
     def set_up(self, trainer: Any) -> None:
         self.trainer = trainer
+        self.again = not (self.once and _hung_before(trainer.job_config.job.dump_folder, self.at))
 
     def scalars(self, step: Step) -> dict[str, Scalar]:
-        if self.site == "collective" and step.number == self.at and _rank() == 1:
+        if self.again and self.site == "collective" and step.number == self.at and _rank() == 1:
             hang_forever()
         return {}
 
     def after_save(self, step: Step) -> None:
-        if self.site == "loader" and step.number == self.at - 1 and _rank() == 0:
+        if self.again and self.site == "loader" and step.number == self.at - 1 and _rank() == 0:
             self.trainer.data_iterator = _Stuck()  # the next step's batches
 
 
