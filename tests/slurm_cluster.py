@@ -31,6 +31,11 @@ def unavailable() -> str | None:
     missing = [name for name in (*DAEMONS, *CLIENTS) if shutil.which(name) is None]
     if missing:
         return f"no {', '.join(missing)} on PATH (apt-get install slurmctld slurmd slurm-client)"
+    host = socket.gethostname().split(".")[0]
+    try:
+        socket.gethostbyname(host)
+    except OSError:
+        return f"the host name {host} does not resolve (slurmd names its node by it: add it to /etc/hosts)"
     return None
 
 
