@@ -70,6 +70,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(found, f)
+    dist.barrier()  # both ranks done before either tears down (a rank leaving early can abort its peer: met once)
     dist.destroy_process_group()
 
 

@@ -109,6 +109,7 @@ def _manager(folder, keep: int = 2) -> CPTCheckpointManager:
     manager = CPTCheckpointManager.__new__(CPTCheckpointManager)
     manager.folder, manager.keep_latest_k, manager.keep_every, manager.kept_steps = str(folder), keep, 0, set()
     manager.purge_queue, manager._told_links = queue.Queue(), set()
+    manager.temporary, manager._forced_step = set(), None  # no checkpoints by the clock
     manager.enable, manager.load_only, manager.async_mode = True, False, AsyncMode.ASYNC
     manager.mp = manager.purge_thread = manager.stager = None
     manager.save_future, manager.pending, manager.states = None, None, {MODEL: ModelWrapper(torch.nn.Linear(1, 1))}
