@@ -103,6 +103,13 @@ def pair(tmp_path_factory) -> dict:
                 **val_tb[name],
             },
         )
+    ended = [  # the MHAR arm crashed once and hung once, each restarted (components/endings.py)
+        {"class": "crashed", "step": 700, "rank": 3, "cause": "RuntimeError: NCCL error", "code": 1},
+        {"class": "hung", "step": 1200, "rank": 0, "cause": "hung after after_data of step 1200", "code": 124},
+        {"class": "finished", "step": N, "rank": 0, "cause": "finished its steps", "code": 0},
+    ]
+    (root / "mhar" / "endings.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ended))
+    (root / "control" / "endings.jsonl").write_text(json.dumps(ended[-1]) + "\n")
     result = compare(root)
     return {"root": root, "result": result, "trend": trend, "tokens": tokens}
 
@@ -213,6 +220,15 @@ def test_report_and_plots(pair):
     assert r["lr_identical"] is True and r["tokens_identical"] is True and r["data_identical"] is True
     assert text.count("identical over the 2000 aligned steps") == 3
     assert "n/a" in text  # the step without per-batch files has no CI
+
+
+def test_the_report_says_how_each_arms_jobs_ended(pair):
+    text = Path(pair["result"]["report"]).read_text()
+    section = text.split("## How the jobs ended", 1)[1].split("\n## ", 1)[0]
+    assert section.strip().splitlines()[2:] == [
+        "| jobs | 1 finished | 1 crashed, 1 finished, 1 hung (step 700: RuntimeError: NCCL error; step 1200: "
+        "hung after after_data of step 1200) |"
+    ]
 
 
 def test_t_quantile_matches_tables():

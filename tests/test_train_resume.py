@@ -26,7 +26,7 @@ from mhar_titan.components.checkpoint.layout import MANIFEST_DIR, complete_steps
 from mhar_titan.components.checkpoint.testing import CRASH_ENV
 from mhar_titan.components.checkpoint.testing import HOLD_SAVE_ENV as HOLD_SAVE
 from mhar_titan.components.endings import read_endings
-from mhar_titan.components.tensorboard_scalars import LOSS_TAG, read_scalars
+from mhar_titan.components.tensorboard_scalars import LOSS_TAG, RESTARTS_TAG, read_scalars
 from mhar_titan.config import parse_config
 from mhar_titan.hf.run import load_run_checkpoint
 
@@ -383,6 +383,7 @@ def test_a_crashed_job_is_relaunched_from_its_checkpoint_and_the_same_crash_twic
         assert got == want, f"{tag}: {got} != uninterrupted {want}"
     ended = [(e["class"], e["step"], e["rank"], e["cause"]) for e in read_endings(str(run))]
     assert ended == [("crashed", 5, 1, cause), ("finished", 8, 0, "finished its steps")]
+    assert read_scalars(run, RESTARTS_TAG) == {5: 1.0}  # in TensorBoard, at the restarted job's first step
 
     again = tmp_path / "again"
     rc, log = launch_until(again, None, None, *no_wait, env={CRASH_ENV: "3:always"})

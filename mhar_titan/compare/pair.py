@@ -29,6 +29,7 @@ from mhar_titan.compare import validation as cval
 from mhar_titan.compare.report import CHECKED
 from mhar_titan.compare.stats import batch_noise, divergence, median_after_warmup
 from mhar_titan.components import fingerprint, spikes
+from mhar_titan.components.endings import read_endings
 from mhar_titan.components.tensorboard_scalars import LOSS_TAG, load_scalars
 
 Series = dict[int, float]
@@ -266,6 +267,7 @@ def compare(
             arm: {"scored": "spikes/loss_count" in s, **spikes.summary(str(run))}
             for arm, run, s in (("control", c_run, cs), ("mhar", m_run, ms))
         },
+        "endings": {arm: read_endings(str(run)) for arm, run in (("control", c_run), ("mhar", m_run))},
     }
     plots = [*routing_plots, *([schedule_plot] if schedule_plot else [])]
     _write_report(result, out, c_loss, m_loss, deltas, plots, control, mhar)

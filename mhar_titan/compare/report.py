@@ -4,6 +4,7 @@ from the figures mhar_titan/compare/pair.py computed."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from matplotlib.figure import Figure
 from mhar_titan.compare import routing, schedule
 from mhar_titan.compare import validation as cval
 from mhar_titan.compare.stats import WARMUP_LOGS
+from mhar_titan.components.endings import RESTARTED
 from mhar_titan.components.tensorboard_scalars import LOSS_TAG
 
 CHECKED = ("lr/decay", "tokens_seen")
@@ -143,6 +145,7 @@ def report_text(r: dict[str, Any], control: str, mhar: str) -> str:
     lines += routing.report_lines(r.get("routing"), mhar, r["delta_dir"])
     lines += schedule.report_lines(r.get("stages"), r.get("schedule_drawn", False))
     lines += _spike_lines(r.get("spikes"), control, mhar)
+    lines += ending_lines(r.get("endings"), control, mhar)
     lines += _throughput_lines(r["tokens_per_s"], control, mhar)
     lines += _consistency_lines(r, control, mhar)
     return "\n".join(lines)
@@ -229,6 +232,24 @@ def _spike_lines(s: dict[str, Any] | None, control: str, mhar: str) -> list[str]
         for tag, name in (("loss", "loss spikes"), ("grad_norm", "gradient-norm spikes"))
     ]
     return ["## Spikes", "", f"| | {control} | {mhar} |", "|---|---|---|", *rows, ""]
+
+
+def ending_lines(e: dict[str, list[dict[str, Any]]] | None, control: str, mhar: str) -> list[str]:
+    """How each arm's jobs ended (<run>/endings.jsonl, components/endings.py): the count of each kind, and every
+    crash and hang that was restarted or not, with its step and cause."""
+    if not e or not any(e.values()):
+        return []
+
+    def cell(ends: list[dict[str, Any]]) -> str:
+        if not ends:
+            return "none recorded"
+        counts = Counter(x["class"] for x in ends)
+        text = ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+        failures = [f"step {x['step']}: {x['cause']}" for x in ends if x["class"] in RESTARTED]
+        return text + (f" ({'; '.join(failures)})" if failures else "")
+
+    row = f"| jobs | {cell(e.get('control', []))} | {cell(e.get('mhar', []))} |"
+    return ["## How the jobs ended", "", f"| | {control} | {mhar} |", "|---|---|---|", row, ""]
 
 
 def _throughput_lines(t: dict[str, Any], control: str, mhar: str) -> list[str]:

@@ -14,10 +14,12 @@ from torchtitan.tools.logging import logger
 
 from data.index import share_from_rank0
 from mhar_titan.components import fingerprint, run_checks, run_record
+from mhar_titan.components.endings import RESTARTED, read_endings
 from mhar_titan.components.hooks import Hook, Scalar, Step, on_device
 from mhar_titan.components.lr_schedule import apply_settings
 from mhar_titan.components.optimizer import config_kwargs, group_settings, lr_multiplier
 from mhar_titan.components.run_lock import LockLost, RunLock, acquire_everywhere
+from mhar_titan.components.tensorboard_scalars import RESTARTS_TAG
 
 
 class RunFolderLock(Hook):
@@ -75,11 +77,19 @@ class RunFolder(Hook):
                 + "".join(f"\n  {line}" for line in self.changes)
             )
         applied = self._resumed(step)
+        ended = read_endings(cfg.job.dump_folder)
+        restarts = sum(e["class"] in RESTARTED for e in ended)
+        self.restarts: float | None = float(restarts) if restarts else None  # logged at the first step, if any
         if torch.distributed.get_rank() != 0:
             return
         fingerprint.record(cfg.job.dump_folder, self.fingerprint, step, self.changes)
         world = torch.distributed.get_world_size()
         run_record.record_start(cfg, self.trainer.model_args, step, world, self.changes + applied)
+
+    def metrics(self, step: Step) -> dict[str, float]:
+        """At the first step of a start after a crash or a hang: how many the run was restarted after so far."""
+        restarts, self.restarts = getattr(self, "restarts", None), None
+        return {} if restarts is None else {RESTARTS_TAG: restarts}
 
     def _resumed(self, step: int) -> list[str]:
         """After a load: the config's optimizer and schedule values applied from the next step, the loader placed

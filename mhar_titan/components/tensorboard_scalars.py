@@ -20,6 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from mhar_titan.model.sources import BASE_SOURCES, STAT_NAMES
 
 LOSS_TAG = "train/loss"
+RESTARTS_TAG = "job/restarts"  # at a restarted job's first step: the crashes and hangs restarted after so far
 PRIMARY_TAGS = {"raw": "val/ce", "ema": "val/ce_ema"}  # the first validation set's, whatever its name
 
 # Routing statistics (docs/recipe.md, "The MHAR arm"). TensorBoard groups charts by a tag's first component, so
