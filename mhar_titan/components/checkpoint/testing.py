@@ -55,15 +55,21 @@ HANG_SITES = ("collective", "loader", "save")
 # -- MHAR_TEST_HOLD_SAVE ---------------------------------------------------------------------------------------------
 
 
-def _hold() -> tuple[int, bool] | None:
-    """The step whose background save is held and whether the job signals itself, or None."""
-    value = os.environ.get(HOLD_SAVE_ENV, "").strip()
+def _step_and(env: str, kinds: tuple[str, ...], usage: str) -> tuple[int, str] | None:
+    """`<step>:<kind>` from the variable `env` (None where unset); any other value is an error showing `usage`."""
+    value = os.environ.get(env, "").strip()
     if not value:
         return None
-    step, _, by = value.partition(":")
-    if not step.isdigit() or by not in ("", "cluster"):
-        raise ValueError(f"{HOLD_SAVE_ENV}={value!r}: a step number, or a step number and ':cluster'")
-    return int(step), by == ""
+    step, _, kind = value.partition(":")
+    if not step.isdigit() or kind not in kinds:
+        raise ValueError(f"{env}={value!r}: {usage}")
+    return int(step), kind
+
+
+def _hold() -> tuple[int, bool] | None:
+    """The step whose background save is held and whether the job signals itself, or None."""
+    hold = _step_and(HOLD_SAVE_ENV, ("", "cluster"), "a step number, or a step number and ':cluster'")
+    return None if hold is None else (hold[0], hold[1] == "")
 
 
 def held_step() -> int | None:
@@ -215,14 +221,12 @@ def fail_upload(step: int, rank: int) -> None:
 def hang() -> tuple[int, str, bool] | None:
     """The step and site of the hang the environment asks for and whether only once, or None; a bad value is an
     error naming the sites."""
-    value = os.environ.get(HANG_ENV, "").strip()
-    if not value:
+    kinds = (*HANG_SITES, *(f"{site}:once" for site in HANG_SITES))
+    at = _step_and(HANG_ENV, kinds, f"<step>:<site>[:once], the site one of {', '.join(HANG_SITES)}")
+    if at is None:
         return None
-    step, _, rest = value.partition(":")
-    site, _, once = rest.partition(":")
-    if not step.isdigit() or site not in HANG_SITES or once not in ("", "once"):
-        raise ValueError(f"{HANG_ENV}={value!r}: <step>:<site>[:once], the site one of {', '.join(HANG_SITES)}")
-    return int(step), site, once == "once"
+    site, _, once = at[1].partition(":")
+    return at[0], site, once == "once"
 
 
 def _hung_before(dump_folder: str, step: int) -> bool:
@@ -279,13 +283,8 @@ class Hang(Hook):
 
 def crash() -> tuple[int, bool] | None:
     """The step of the crash the environment asks for and whether it recurs, or None."""
-    value = os.environ.get(CRASH_ENV, "").strip()
-    if not value:
-        return None
-    step, _, how = value.partition(":")
-    if not step.isdigit() or how not in ("once", "always"):
-        raise ValueError(f"{CRASH_ENV}={value!r}: <step>:once or <step>:always")
-    return int(step), how == "always"
+    at = _step_and(CRASH_ENV, ("once", "always"), "<step>:once or <step>:always")
+    return None if at is None else (at[0], at[1] == "always")
 
 
 class Crash(Hook):
