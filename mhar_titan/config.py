@@ -202,6 +202,13 @@ def parse_config(argv: list[str]) -> TitanJobConfig:
         )
     check_spikes(config.spikes)
     check_watchdog(config.watchdog)
+    job = config.job
+    if not (job.max_restarts >= 0 and job.restart_window_minutes > 0 and job.restart_backoff_s >= 0):
+        raise ValueError(
+            f"[job] max_restarts = {job.max_restarts}, restart_window_minutes = {job.restart_window_minutes}, "
+            f"restart_backoff_s = {job.restart_backoff_s}: need max_restarts >= 0 (0: never), a window > 0 and a "
+            "backoff >= 0"
+        )
     unknown = sorted(set(config.alerts.events) - set(ALERT_EVENTS))
     if unknown:
         raise ValueError(f"[alerts] events: {', '.join(unknown)} unknown; known: {', '.join(ALERT_EVENTS)}")

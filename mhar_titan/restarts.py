@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     code, launched, config = int(argv[0]), float(argv[1]), argv[2]
     try:
         cfg = parse_config(["--job.config_file", config, *argv[3:]])
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"{ME}: {e}", file=sys.stderr)
         return 2
     job = cfg.job

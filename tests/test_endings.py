@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from mhar_titan import restarts
 from mhar_titan.components import endings
 from mhar_titan.components.exit_codes import HUNG
 
@@ -101,3 +102,16 @@ def test_other_endings_are_recorded_and_never_restarted(tmp_path, code):
     assert decision.line == f"{endings.classify(code)} (exit {code}): not restarted"
     endings.record_ending(str(tmp_path / "run"), 75, 12, "Preempted")
     assert [e["class"] for e in endings.read_endings(str(tmp_path / "run"))] == [endings.classify(code), "preempted"]
+
+
+def test_the_launchers_question_refuses_a_bad_budget_or_config_in_one_line(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    bad = ["1", "0", "configs/tiny_cpu.toml", "--job.dump_folder", run, "--job.max_restarts", "-1"]
+    assert restarts.main(bad) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "python -m mhar_titan.restarts: [job] max_restarts = -1, restart_window_minutes = 60.0, restart_backoff_s "
+        "= 30.0: need max_restarts >= 0 (0: never), a window > 0 and a backoff >= 0"
+    ]
+    assert restarts.main(["1", "0", str(tmp_path / "nope.toml")]) == 2
+    assert "No such file or directory" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing recorded for a refused question
