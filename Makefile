@@ -1,4 +1,4 @@
-# The interface: install, test, demo, preflight, lint, bench-kernels, bench-step, bench-data, bench-startup. `make test` and `make demo`
+# The interface: install, test, demo, preflight, soak, lint, bench-kernels, bench-step, bench-data, bench-startup. `make test` and `make demo`
 # each set up everything they need on a fresh machine.
 
 PYTHON ?= python3
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DIR := runs/tiny
 
-.PHONY: install test demo preflight lint bench-kernels bench-step bench-data bench-startup clean
+.PHONY: install test demo preflight soak lint bench-kernels bench-step bench-data bench-startup clean
 
 install: $(STAMP)
 
@@ -51,6 +51,15 @@ PREFLIGHT_CONFIGS ?= $(if $(shell nvidia-smi -L 2>/dev/null),configs/marin8b_con
 
 preflight: install
 	$(PY) -m mhar_titan.preflight $(PREFLIGHT_CONFIGS) $(ARGS)
+
+# The chaos soak (docs/health.md, "The soak"): the tiny pair under a real one-node Slurm on this machine's CPUs, with
+# faults at random moments (a rank SIGKILLed, scancel, a requeue, the time-limit warning, a crash, a hang), round
+# after round for SOAK_MINUTES; every value must equal an uninterrupted pair's. Needs root and Debian's slurmctld,
+# slurmd and slurm-client (as .ci/run installs them); prints its seed (ARGS="--seed N" replays), ARGS e.g. "--steps 60".
+SOAK_MINUTES ?= 20
+
+soak: install
+	$(PY) -m chaos.soak --minutes $(SOAK_MINUTES) $(ARGS)
 
 # GPU only: the 8B-geometry routing microbatch, the fused kernels' eager path (the training step's
 # path, the headline) and custom op vs torch.compile vs eager, with and without grad, and a sweep.

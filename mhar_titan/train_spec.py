@@ -95,8 +95,8 @@ def build_hooks(job_config: JobConfig) -> list[Hook]:
     ]
     if fault := testing.resume_fault():
         hooks.append(testing.ResumeFault(fault))
-    if hang := testing.hang():
-        hooks.append(testing.Hang(*hang))
-    if crash := testing.crash():
-        hooks.append(testing.Crash(*crash))
+    if hangs := testing.hangs():
+        hooks.append(testing.Hang(hangs))
+    if crashes := testing.crashes():
+        hooks.append(testing.Crash(crashes))
     return hooks

@@ -13,13 +13,15 @@ key or command-line flag reaches them, and with the variables unset nothing here
   preflight's stage d) can be shown to catch it: the data one batch off, the optimizer moments lost, the LR schedule
   restarted, the EMA restarted from the loaded weights. Tests and benchmarks/resume_spread.py set it.
 - MHAR_TEST_FAIL_UPLOAD=<step>:<rank>: that rank's upload of that step to the store fails (remote.py).
-- MHAR_TEST_HANG=<step>:<site>[:once]: one rank stops for good at that step, where a job hangs for real:
+- MHAR_TEST_HANG=<step>:<site>[:once][,...]: one rank stops for good at that step, where a job hangs for real:
   `collective` (rank 1 before the step's readback, which rank 0 then waits in), `loader` (rank 0 reading the step's
   batches) or `save` (rank 1 writing the step's checkpoint); with `once`, only where the run folder has no stacks
-  of that hang yet (a restarted job gets past it). For the watchdog's tests (components/watchdog.py).
-- MHAR_TEST_CRASH=<step>:<once|always>: rank 1 raises an error after that step; `once` only where the run folder
-  has no crash record of that step and rank yet (so a restarted job gets past it). For the restarts' tests
-  (components/endings.py).
+  of that hang yet (a restarted job gets past it). For the watchdog's tests (components/watchdog.py) and the soak.
+- MHAR_TEST_CRASH=<step>:<once|always>[,...]: rank 1 raises an error after that step; `once` only where the run
+  folder has no crash record of that step and rank yet (so a restarted job gets past it). For the restarts' tests
+  (components/endings.py) and the soak (chaos/soak.py).
+
+The hang and the crash take a comma-separated list, each entry at its own step.
 """
 
 from __future__ import annotations
@@ -55,21 +57,25 @@ HANG_SITES = ("collective", "loader", "save")
 # -- MHAR_TEST_HOLD_SAVE ---------------------------------------------------------------------------------------------
 
 
-def _step_and(env: str, kinds: tuple[str, ...], usage: str) -> tuple[int, str] | None:
-    """`<step>:<kind>` from the variable `env` (None where unset); any other value is an error showing `usage`."""
+def _steps_and(env: str, kinds: tuple[str, ...], usage: str) -> list[tuple[int, str]]:
+    """`<step>:<kind>[,<step>:<kind>...]` from the variable `env` (none where unset), at most one entry a step; any
+    other value is an error showing `usage`."""
     value = os.environ.get(env, "").strip()
-    if not value:
-        return None
-    step, _, kind = value.partition(":")
-    if not step.isdigit() or kind not in kinds:
-        raise ValueError(f"{env}={value!r}: {usage}")
-    return int(step), kind
+    found: dict[int, str] = {}
+    for entry in value.split(",") if value else []:
+        step, _, kind = entry.strip().partition(":")
+        if not step.isdigit() or kind not in kinds or int(step) in found:
+            raise ValueError(f"{env}={value!r}: {usage}, at most one entry a step")
+        found[int(step)] = kind
+    return sorted(found.items())
 
 
 def _hold() -> tuple[int, bool] | None:
     """The step whose background save is held and whether the job signals itself, or None."""
-    hold = _step_and(HOLD_SAVE_ENV, ("", "cluster"), "a step number, or a step number and ':cluster'")
-    return None if hold is None else (hold[0], hold[1] == "")
+    holds = _steps_and(HOLD_SAVE_ENV, ("", "cluster"), "a step number, or a step number and ':cluster'")
+    if len(holds) > 1:
+        raise ValueError(f"{HOLD_SAVE_ENV}: one step, not {len(holds)}")
+    return (holds[0][0], holds[0][1] == "") if holds else None
 
 
 def held_step() -> int | None:
@@ -142,11 +148,12 @@ def release(checkpoint_id: str | None) -> None:
 def before_write(checkpoint_id: str, owner: int) -> None:
     """In the writer (a thread of the training process, or torch's checkpoint process), before any file: hold
     until the training process `owner` announces that it waits."""
-    at, step = hang(), step_of(os.path.basename(os.path.normpath(checkpoint_id)))
-    if at and at[:2] == (step, "save") and _rank() == 1:
-        run = os.path.dirname(os.path.dirname(os.path.normpath(checkpoint_id)))  # <dump>/checkpoint/step-N
-        if not (at[2] and _hung_before(run, step)):
-            hang_forever()
+    step = step_of(os.path.basename(os.path.normpath(checkpoint_id)))
+    for at in hangs():
+        if at[:2] == (step, "save") and _rank() == 1:
+            run = os.path.dirname(os.path.dirname(os.path.normpath(checkpoint_id)))  # <dump>/checkpoint/step-N
+            if not (at[2] and _hung_before(run, step)):
+                hang_forever()
     if not _held(checkpoint_id):
         return
     flag, deadline = _flag(checkpoint_id, owner), time.monotonic() + HOLD_TIMEOUT_S
@@ -218,15 +225,12 @@ def fail_upload(step: int, rank: int) -> None:
 # -- MHAR_TEST_HANG --------------------------------------------------------------------------------------------------
 
 
-def hang() -> tuple[int, str, bool] | None:
-    """The step and site of the hang the environment asks for and whether only once, or None; a bad value is an
-    error naming the sites."""
+def hangs() -> list[tuple[int, str, bool]]:
+    """The step and site of each hang the environment asks for and whether only once; a bad value is an error
+    naming the sites."""
     kinds = (*HANG_SITES, *(f"{site}:once" for site in HANG_SITES))
-    at = _step_and(HANG_ENV, kinds, f"<step>:<site>[:once], the site one of {', '.join(HANG_SITES)}")
-    if at is None:
-        return None
-    site, _, once = at[1].partition(":")
-    return at[0], site, once == "once"
+    found = _steps_and(HANG_ENV, kinds, f"<step>:<site>[:once], the site one of {', '.join(HANG_SITES)}")
+    return [(step, kind.partition(":")[0], kind.endswith(":once")) for step, kind in found]
 
 
 def _hung_before(dump_folder: str, step: int) -> bool:
@@ -257,47 +261,58 @@ class _Stuck:
 
 
 class Hang(Hook):
-    """The hang the environment asks for, at its step and site (train_spec.build_hooks adds it last)."""
+    """The hangs the environment asks for, each at its step and site (train_spec.build_hooks adds it last)."""
 
     name = "test_hang"
 
-    def __init__(self, step: int, site: str, once: bool = False):
-        self.at, self.site, self.once = step, site, once
+    def __init__(self, hangs: list[tuple[int, str, bool]]):
+        self.hangs = hangs
 
     def set_up(self, trainer: Any) -> None:
-        self.trainer = trainer
-        self.again = not (self.once and _hung_before(trainer.job_config.job.dump_folder, self.at))
+        self.trainer, dump = trainer, trainer.job_config.job.dump_folder
+        self.due = {(at, site) for at, site, once in self.hangs if not (once and _hung_before(dump, at))}
 
     def scalars(self, step: Step) -> dict[str, Scalar]:
-        if self.again and self.site == "collective" and step.number == self.at and _rank() == 1:
+        if (step.number, "collective") in self.due and _rank() == 1:
             hang_forever()
         return {}
 
-    def after_save(self, step: Step) -> None:
-        if self.again and self.site == "loader" and step.number == self.at - 1 and _rank() == 0:
+    def _stick(self, before: int) -> None:
+        if (before + 1, "loader") in self.due and _rank() == 0:
             self.trainer.data_iterator = _Stuck()  # the next step's batches
+
+    def start(self, step: int) -> None:
+        self._stick(step)  # a job resumed just before the hang's step
+
+    def after_save(self, step: Step) -> None:
+        self._stick(step.number)
 
 
 # -- MHAR_TEST_CRASH -------------------------------------------------------------------------------------------------
 
 
-def crash() -> tuple[int, bool] | None:
-    """The step of the crash the environment asks for and whether it recurs, or None."""
-    at = _step_and(CRASH_ENV, ("once", "always"), "<step>:once or <step>:always")
-    return None if at is None else (at[0], at[1] == "always")
+def crashes() -> list[tuple[int, bool]]:
+    """The step of each crash the environment asks for and whether it recurs."""
+    return [
+        (at, kind == "always") for at, kind in _steps_and(CRASH_ENV, ("once", "always"), "<step>:once or <step>:always")
+    ]
 
 
 class Crash(Hook):
-    """Rank 1's error after the step the environment names (train_spec.build_hooks adds it last)."""
+    """Rank 1's error after each step the environment names (train_spec.build_hooks adds it last)."""
 
     name = "test_crash"
 
-    def __init__(self, step: int, always: bool):
-        self.at, self.always = step, always
+    def __init__(self, crashes: list[tuple[int, bool]]):
+        self.always = dict(crashes)
 
     def set_up(self, trainer: Any) -> None:
-        self.record = os.path.join(trainer.job_config.job.dump_folder, "crashes", f"step-{self.at}-rank-1.json")
+        self.crashes = os.path.join(trainer.job_config.job.dump_folder, "crashes")
 
     def after_step(self, step: Step) -> None:
-        if step.number == self.at and _rank() == 1 and (self.always or not os.path.exists(self.record)):
+        if step.number not in self.always or _rank() != 1:
+            return
+        if self.always[step.number] or not os.path.exists(
+            os.path.join(self.crashes, f"step-{step.number}-rank-1.json")
+        ):
             raise RuntimeError(f"TEST CRASH ({CRASH_ENV}) after step {step.number}")

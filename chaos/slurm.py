@@ -1,5 +1,6 @@
-"""A real one-node Slurm for the tests: Debian's slurmctld and slurmd (22.05), started in a temporary folder as root,
-with the node's CPUs and no GPU; jobs run the repository's launchers through real sbatch, srun and scontrol.
+"""A real one-node Slurm: Debian's slurmctld and slurmd (22.05), started in a temporary folder as root, with the
+node's CPUs and no GPU; jobs run the repository's launchers through real sbatch, srun and scontrol. The soak
+(chaos/soak.py) and the launchers' tests (tests/test_slurm_real.py) start one.
 
 `.ci/run` installs the packages (apt-get install slurmctld slurmd slurm-client) and sets MHAR_REQUIRE_SLURM=1, so
 that in CI a cluster that cannot start fails its tests; elsewhere (no root, no packages) they are skipped, saying
