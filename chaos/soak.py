@@ -323,6 +323,8 @@ def summary(rounds: list[Round]) -> tuple[list[str], dict]:
         f"{max((o.allowed_s for o in outcomes), default=0):.1f} s); by preemptions: {preempted} steps",
         f"from the fault: the next job run on the node {spread([o.queued_s for o in outcomes])}; training again "
         f"{spread([o.restart_s for o in outcomes])}; past the step reached {spread([o.recover_s for o in outcomes])}",
+        f"each faulted job run ended {spread([o.ended_s for o in outcomes])} after its last progress (the watchdog "
+        f"allows {min((o.bound_s for o in outcomes), default=0):.0f} s or more)",
         f"values compared with the uninterrupted pair: {values}" + (", every one equal" if values else ""),
         f"verdict: {'PASS' if not problems else f'FAIL ({len(problems)} problems)'}",
     ]

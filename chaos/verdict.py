@@ -56,6 +56,8 @@ class Outcome:
     lost_s: float
     allowed_s: float
     queued_s: float | None  # the fault to the next job run's start on the node (a requeue's wait, the other arm's run)
+    ended_s: float  # the job run's end after its last progress (or the fault)
+    bound_s: float  # what the watchdog allows for that: its timeout and HANG_GRACE_S
     restart_s: float | None  # the fault to training again
     recover_s: float | None  # the fault to a step beyond the last one it had logged
 
@@ -181,7 +183,7 @@ def judge_arm(
             v.problems.append(f"{where}: {lost_s:.1f} s of work lost, over the {allowed:.1f} s the clock allows")
         timeout = float(m.group(1)) if got == "hung" and (m := TIMEOUT.search(run.text)) else usual_timeout
         quiet = ending["time"] - max(run.last_progress or 0.0, hit.at if hit else 0.0)
-        if quiet > timeout + HANG_GRACE_S:
+        if not quiet <= timeout + HANG_GRACE_S:
             v.problems.append(
                 f"{where}: ended {quiet:.0f} s after its last progress, over {timeout:.0f} + {HANG_GRACE_S:.0f} s"
             )
@@ -196,6 +198,8 @@ def judge_arm(
                 lost_s=lost_s,
                 allowed_s=allowed,
                 queued_s=began[(nxt.job, nxt.restart)] - fail_at if (nxt.job, nxt.restart) in began else None,
+                ended_s=quiet,
+                bound_s=timeout + HANG_GRACE_S,
                 restart_s=nxt.started - fail_at if nxt.started else None,
                 recover_s=back - fail_at if back else None,
             )

@@ -106,6 +106,7 @@ def test_an_arm_whose_runs_end_as_their_faults_say_passes_with_its_figures():
     assert (crash.kind, crash.lost_steps, crash.lost_s) == ("crash", 1, 140.0 - 139.0)  # since its run began
     assert (kill.queued_s, kill.restart_s, kill.recover_s) == (137.0 - 101.5, 139.0 - 101.5, 140.0 - 101.5)
     assert kill.allowed_s == 6.0 + 2 * 1.0  # the clock's interval and the two longest gaps between step lines
+    assert (kill.ended_s, kill.bound_s) == (105.0 - 101.5, 10.0 + HANG_GRACE_S)  # the watchdog's floor: steps of 1 s
 
 
 @pytest.mark.parametrize(

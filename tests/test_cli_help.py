@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 from conftest import REPO
 
-PACKAGES = ("mhar_titan", "data", "benchmarks")
+PACKAGES = ("mhar_titan", "data", "benchmarks", "chaos")
 # `python -m NAME` -> the module whose main() builds its parser (a package's __main__.py calls it)
 CLIS = {
     "mhar_titan.hf": "mhar_titan.hf.__main__",
@@ -33,6 +33,7 @@ CLIS = {
     "data.prepare": "data.prepare",
     "data.index": "data.index",
     "data.demo_corpus": "data.demo_corpus",
+    "chaos.soak": "chaos.soak",
     **{
         f"benchmarks.{name}": f"benchmarks.{name}"
         for name in (

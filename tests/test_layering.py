@@ -11,7 +11,7 @@ from pathlib import Path
 from kernels.triton import host, shared
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("mhar_titan", "kernels", "data", "benchmarks")
+PACKAGES = ("mhar_titan", "kernels", "data", "benchmarks", "chaos")
 # Model code (torchtitan's models/llama3/model): parallelize.py is the model's infrastructure, apart.
 MODEL_CODE = (
     "mhar_titan.model.args",
@@ -159,14 +159,15 @@ def test_the_trainer_imports_none_of_the_concerns_it_hosts():
 
 
 CHECKPOINT = "mhar_titan.components.checkpoint"
-TOOLS = ("mhar_titan.eval", "mhar_titan.hf", "mhar_titan.preflight", "mhar_titan.compare", "benchmarks")
+TOOLS = ("mhar_titan.eval", "mhar_titan.hf", "mhar_titan.preflight", "mhar_titan.compare", "benchmarks", "chaos")
 # What the tools use of the checkpoint package besides its layout, none of it torchtitan-bound: the checksums (a step
 # verified, or a test step's written) and the threaded DCP reader (hf export reads a step with it).
 TOOLS_MAY_USE = (f"{CHECKPOINT}.layout", f"{CHECKPOINT}.checksums", f"{CHECKPOINT}.dcp_io")
-# Benchmarks that drive a module of the package itself: the store's copy, the resume faults' names.
+# Benchmarks (and the soak) that drive a module of the package itself: the store's copy, the seams' names.
 BENCHMARKS_DRIVE = {
     "benchmarks.bench_checkpoint_s3": f"{CHECKPOINT}.remote",
     "benchmarks.resume_spread": f"{CHECKPOINT}.testing",
+    "chaos.soak": f"{CHECKPOINT}.testing",
 }
 
 
