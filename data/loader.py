@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import IGNORE_INDEX
@@ -54,20 +55,30 @@ class Encoder:
     """Batched tokenisation with the base checkpoint's tokenizer.json; picklable for workers.
 
     Documents are [bos] text (the stream appends eos): with `bos='auto'` the bos token goes first
-    where the tokenizer's own template puts one (Llama-3's, so Marin-8B's, does)."""
+    where the tokenizer's own template puts one (Llama-3's, so Marin-8B's, does). A special token's text inside a
+    document (`<|end_of_text|>` quoted in a web page) is text: only the stream inserts the special ids, so a
+    document cannot fake a document boundary."""
 
     def __init__(self, tokenizer: HuggingFaceTokenizer, bos: str = "auto"):
-        self.tokenizer = tokenizer.tokenizer
+        self.tokenizer = text_only(tokenizer.tokenizer)
         if tokenizer.eos_id is None:
             raise ValueError("the tokenizer has no end-of-text token (tokenizer_config.json eos_token)")
         self.eos_id = tokenizer.eos_id
         self.bos_id = _bos_id(tokenizer, bos)
 
     def __call__(self, texts: list[str]) -> list[list[int]]:
+        self.tokenizer.encode_special_tokens = True  # pickling (to a loader worker) does not keep it
         encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
         if self.bos_id is None:
             return [e.ids for e in encoded]
         return [[self.bos_id, *e.ids] for e in encoded]
+
+
+def text_only(tokenizer: Tokenizer) -> Tokenizer:
+    """A copy of `tokenizer` that encodes its special tokens' text as text, leaving the original as it was."""
+    copy_ = Tokenizer.from_str(tokenizer.to_str())
+    copy_.encode_special_tokens = True
+    return copy_
 
 
 def _bos_id(tokenizer: HuggingFaceTokenizer, bos: str) -> int | None:

@@ -231,9 +231,11 @@ def parser() -> argparse.ArgumentParser:
 def load_tokenizer(path: str) -> Tokenizer:
     file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
     try:
-        return Tokenizer.from_file(str(file))
+        tokenizer = Tokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises its own exception type
         raise PrepareError(f"--tokenizer {path}: cannot load {file} ({e})") from e
+    tokenizer.encode_special_tokens = True  # a special token's text in a document is text, as the loader encodes it
+    return tokenizer
 
 
 def shard_sizes(args: argparse.Namespace, documents: int) -> Iterator[int]:

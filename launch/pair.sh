@@ -51,6 +51,45 @@ for arg in "$@"; do
   esac
 done
 
+# A checkpoint folder outside the run folder (an absolute path or a store URL, e.g. --checkpoint.folder s3://b/runs/x)
+# would be one folder for both arms: each arm gets its own below it (s3://b/runs/x/control, .../mhar).
+own_folder() { case "$1" in /*|*://*) printf '%s/%s' "${1%/}" "$2" ;; *) printf '%s' "$1" ;; esac; }
+split_folder=""
+arm_overrides() {  # ARM OVERRIDES... -> the array arm_args
+  local arm="$1"; shift
+  arm_args=()
+  while [[ $# -gt 0 ]]; do
+    case "$1" in
+      --checkpoint.folder)
+        [[ $# -ge 2 && -n "$2" ]] || die "--checkpoint.folder needs a value"
+        arm_args+=("$1" "$(own_folder "$2" "$arm")")
+        if [[ "$2" != "$(own_folder "$2" "$arm")" ]]; then split_folder="$2"; fi
+        shift 2 ;;
+      --checkpoint.folder=*)
+        arm_args+=("--checkpoint.folder=$(own_folder "${1#*=}" "$arm")")
+        if [[ "${1#*=}" != "$(own_folder "${1#*=}" "$arm")" ]]; then split_folder="${1#*=}"; fi
+        shift ;;
+      *) arm_args+=("$1"); shift ;;
+    esac
+  done
+}
+overridden=0
+for arg in "$@"; do [[ "$arg" != --checkpoint.folder && "$arg" != --checkpoint.folder=* ]] || overridden=1; done
+if [[ $overridden -eq 0 ]]; then
+  # Both configs naming one folder outside their run folders: refused before either arm starts.
+  python=$(launch/torchrun.sh --print-python "$control")
+  folders=$("$python" -c '
+import sys, tomllib
+for path in sys.argv[1:]:
+    with open(path, "rb") as f:
+        print(tomllib.load(f).get("checkpoint", {}).get("folder", "checkpoint"))
+' "$control" "$mhar") || die "cannot read [checkpoint] folder from $control and $mhar with $python"
+  mapfile -t folders <<<"$folders"
+  if [[ "${folders[0]}" == "${folders[1]}" && "${folders[0]}" != "$(own_folder "${folders[0]}" x)" ]]; then
+    die "$control and $mhar both checkpoint to ${folders[0]}: one folder for two runs; give each its own, or pass --checkpoint.folder ${folders[0]} to split it per arm"
+  fi
+fi
+
 runs="${RUNS_DIR:-runs}/$name"  # RUNS_DIR: another parent folder (absolute, or relative to the repo root)
 arms=(control mhar)
 declare -A config_of=([control]="$control" [mhar]="$mhar")
@@ -62,19 +101,21 @@ cmds=()  # one shell-quoted command per arm
 export WANDB_PROJECT="${WANDB_PROJECT:-mhar-titan}" WANDB_RUN_GROUP="$name"
 unset WANDB_RUN_ID WANDB_RUN_NAME  # one per arm, not one for both
 for arm in "${arms[@]}"; do
+  arm_overrides "$arm" "$@"
   if [[ $slurm -eq 1 ]]; then
     read -ra sbatch_args <<<"${SBATCH_ARGS:-}"
     cmd=(sbatch --job-name "$name-$arm" ${sbatch_args[@]+"${sbatch_args[@]}"}
-      launch/slurm.sbatch "${config_of[$arm]}" --job.dump_folder "$runs/$arm" "$@")
+      launch/slurm.sbatch "${config_of[$arm]}" --job.dump_folder "$runs/$arm" ${arm_args[@]+"${arm_args[@]}"})
   else
     cmd=(launch/torchrun.sh ${nproc:+--nproc "$nproc"}
-      "${config_of[$arm]}" --job.dump_folder "$runs/$arm" "$@")
+      "${config_of[$arm]}" --job.dump_folder "$runs/$arm" ${arm_args[@]+"${arm_args[@]}"})
   fi
   cmds+=("$(printf '%q ' "${cmd[@]}")")
 done
 
 info() {
   echo "# runs: $runs/control and $runs/mhar"
+  [[ -z "$split_folder" ]] || echo "# checkpoints: ${split_folder%/}/control and ${split_folder%/}/mhar (one folder an arm)"
   [[ $slurm -eq 0 ]] || echo "# logs: logs/$name-control-<jobid>.out and logs/$name-mhar-<jobid>.out"
   echo "# TensorBoard: tensorboard --logdir $runs"
   echo "# compare: python -m mhar_titan.compare $runs"

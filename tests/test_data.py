@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import pickle
 import random
 import shutil
 import subprocess
@@ -321,3 +322,32 @@ def test_a_path_that_is_not_there_matches_no_shard(corpus, tmp_path):
         with pytest.raises(FileNotFoundError, match=f"'{absent}' matches no parquet file"):
             list_shards([str(folder), str(absent)])
     assert list_shards([str(folder)]) == list_shards([str(folder / "*.parquet")])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_special_tokens_text_inside_a_document_is_text_not_a_boundary(tmp_path, workers):
+    """A page that quotes `<|end_of_text|>` (or `<|begin_of_text|>`) must not end its document there: only the stream
+    puts the end-of-text id between documents, also in loader workers (the encoder pickled)."""
+    quoted = "the model stops at <|end_of_text|> and starts at <|begin_of_text|>, the docs say"
+    original = HuggingFaceTokenizer(str(REPO / "assets" / "tiny")).tokenizer
+    specials = {original.token_to_id("<|end_of_text|>"), original.token_to_id("<|begin_of_text|>")}
+    assert specials & set(original.encode(quoted, add_special_tokens=False).ids)  # the plain tokenizer fakes both
+    ids = ENCODE([quoted])[0]
+    assert not specials & set(ids) and original.decode(ids, skip_special_tokens=False) == quoted
+    assert pickle.loads(pickle.dumps(ENCODE))([quoted]) == [ids]
+    assert specials & set(original.encode(quoted, add_special_tokens=False).ids)  # the tokenizer itself unchanged
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    texts = [quoted, "a plain page", quoted + " twice"] * 4
+    for i in range(2):  # a stream each, a loader worker each
+        pq.write_table(pa.table({"text": texts, "source": ["web"] * len(texts)}), folder / f"shard-{i:02d}.parquet")
+    cfg = DataConfig(paths=[str(folder / "*.parquet")], source_column="source", num_streams=2, seed=7)
+    ld = loader(cfg, rank=0, world=1, workers=workers)
+    batches, _ = take(ld, 4)
+    tokens = flat(batches)
+    documents = tokens.count(ENCODE.eos_id)
+    assert documents >= 3 and not (specials - {ENCODE.eos_id}) & set(tokens)
+    # every end-of-text id in the stream ends a whole document: what follows each is the start of one of the texts
+    starts = {tuple(ENCODE([t])[0][:3]) for t in texts}
+    cut = [i for i, t in enumerate(tokens) if t == ENCODE.eos_id and i + 3 < len(tokens)]
+    assert cut and all(tuple(tokens[i + 1 : i + 4]) in starts for i in cut)

@@ -421,6 +421,32 @@ def test_pair_slurm_dry_run_submits_two_jobs():
         ]
 
 
+@pytest.mark.parametrize("flag", [["--checkpoint.folder", "s3://bucket/runs/x/"], ["--checkpoint.folder=/shared/x"]])
+def test_a_checkpoint_folder_outside_the_run_folders_is_split_per_arm(flag):
+    """One store prefix (or absolute folder) for both arms would mix their checkpoints: each arm gets its own."""
+    proc = run(PAIR, "--slurm", "--dry-run", "NAME", CONTROL, MHAR, *flag, "--training.steps", "3")
+    base = flag[-1].split("=")[-1].rstrip("/")
+    for line, arm in zip(proc.stdout.strip().splitlines(), ["control", "mhar"], strict=True):
+        words = line.split()
+        given = words[words.index(flag[0]) + 1] if len(flag) == 2 else words[-3].split("=", 1)[1]
+        assert given == f"{base}/{arm}" and words[-2:] == ["--training.steps", "3"], line
+    assert f"# checkpoints: {base}/control and {base}/mhar" in proc.stderr
+    relative = run(PAIR, "--dry-run", "NAME", CONTROL, MHAR, "--checkpoint.folder", "ck").stdout.split()
+    assert relative.count("ck") == 2  # below each arm's own run folder already
+
+
+def test_two_configs_checkpointing_to_one_folder_are_refused_before_either_arm(tmp_path):
+    configs = []
+    for name in (CONTROL, MHAR):
+        text = (REPO / name).read_text().replace('folder = "checkpoint"', 'folder = "s3://bucket/runs/x"')
+        configs.append(tmp_path / name.split("/")[-1])
+        configs[-1].write_text(text)
+    proc = run(PAIR, "--dry-run", "NAME", *map(str, configs), check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "both checkpoint to s3://bucket/runs/x: one folder for two runs" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize(
     ("args", "named"),
     [
