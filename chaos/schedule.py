@@ -4,7 +4,7 @@ External faults are done to one arm's job from outside, as a cluster or an opera
 logged their step and a drawn delay after it (mid-step, mid-save or mid-validation): a rank SIGKILLed, SIGTERM to
 every process of the job, `scontrol requeue`, the time-limit warning. Injected faults are the trainer's test seams
 (components/checkpoint/testing.py), set in the environment that `launch/pair.sh` passes to both arms: a crash and a
-hang (in a collective, the loader or a save) at the same step of each arm.
+hang (in a collective, the loader, a save or a validation) at the same step of each arm.
 
 The standard library only.
 """
@@ -17,7 +17,8 @@ import random
 ARMS = ("control", "mhar")
 EXTERNAL = ("kill", "term", "requeue", "warning")
 INJECTED = ("crash", "hang")
-HANG_SITES = ("collective", "loader", "save")
+HANG_SITES = ("collective", "loader", "save", "validation")
+AT_SAVES = ("save", "validation")  # sites at a checkpoint step (validation comes at the same steps)
 # How each fault ends the job it hits (components/endings.py's classes).
 ENDS_AS = {"kill": "crashed", "crash": "crashed", "hang": "hung", "term": "preempted", "requeue": "preempted"}
 ENDS_AS["warning"] = "preempted"
@@ -50,7 +51,8 @@ class Fault:
 def draw(seed: int, steps: int, save_every: int, external_per_arm: int) -> list[Fault]:
     """One round's faults: a crash and a hang in both arms, and `external_per_arm` external faults in each arm, their
     kinds dealt so that every kind comes once before any comes twice; all at distinct steps, none within CLEAR steps
-    before an injected one (a fault never meets another in one job run), a hang in a save at a saved step."""
+    before an injected one (a fault never meets another in one job run), a hang in a save or a validation at a
+    checkpoint step."""
     rng = random.Random(seed)
     kinds = []
     while len(kinds) < external_per_arm * len(ARMS):
@@ -58,7 +60,7 @@ def draw(seed: int, steps: int, save_every: int, external_per_arm: int) -> list[
     last = steps - LAST_CLEAR
     for _ in range(10_000):
         site = rng.choice(HANG_SITES)
-        hang = rng.choice([s for s in range(FIRST, last + 1) if site != "save" or s % save_every == 0] or [0])
+        hang = rng.choice([s for s in range(FIRST, last + 1) if site not in AT_SAVES or s % save_every == 0] or [0])
         crash = rng.randint(FIRST, last)
         injected = {hang, crash}
         if hang == 0 or crash == hang:

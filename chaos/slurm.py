@@ -161,7 +161,14 @@ PartitionName=test Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
             time.sleep(0.2)
 
     def stop(self) -> None:
+        """Every job cancelled and gone (its processes ended within KillWait), then the daemons."""
         self.run("scancel", "--full", "--user", "root", check=False)
+        deadline = time.monotonic() + self.kill_wait_s + 15
+        while time.monotonic() < deadline:
+            left = self.run("squeue", "-h", "-o", "%i", check=False)
+            if left.returncode != 0 or not left.stdout.strip():
+                break
+            time.sleep(0.5)
         for daemon in reversed(DAEMONS):
             pid_file = self.root / f"{daemon}.pid"
             try:

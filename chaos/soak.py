@@ -379,6 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, TimeoutError) as e:
         print(f"chaos.soak: {e} (replay: --seed {seed + len(rounds)})", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(
+            f"chaos.soak: interrupted in round {len(rounds)} (seed {seed + len(rounds)}); the cluster stopped",
+            file=sys.stderr,
+        )
+        return 130
     finally:
         cluster.stop()
     lines, data = summary(rounds)

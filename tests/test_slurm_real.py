@@ -18,8 +18,8 @@ from mhar_titan.components.tensorboard_scalars import LOSS_TAG, read_scalars
 
 # The soak's short form: 16 steps an arm, a checkpoint every 4 and by the clock every 6 s, two external faults an arm
 SETTINGS = Settings(steps=16, save_every=4, clock_minutes=0.1, external_per_arm=2)
-SEED = 0  # its faults: both arms crash at step 7 and hang in the loader at step 9; the control gets the warning and a
-# SIGTERM, the MHAR arm a SIGKILL of rank 1 and a requeue (chaos/schedule.py draws them; the test checks each kind)
+SEED = 0  # its faults: both arms crash after step 6 and hang as step 8's validation begins (after its checkpoint);
+# the control gets the warning and a SIGTERM (scancel), the MHAR arm a SIGKILL of rank 1 and a requeue
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,9 @@ from data.loader import Encoder, ValidationLoader, data_config
 from data.mixture import parse_mixture, parse_validation_sets
 from data.shards import list_shards
 from mhar_titan import titan_compat
+from mhar_titan.components.checkpoint import testing
 from mhar_titan.components.ema import EMA, WeightEMA
-from mhar_titan.components.hooks import Hook, Step
+from mhar_titan.components.hooks import Hook, Scalar, Step, reduce_scalars
 from mhar_titan.components.loss import cross_entropy_sum
 from mhar_titan.components.step_metrics import flush, log_scalars
 from mhar_titan.components.tensorboard_scalars import PRIMARY_TAGS, set_tags
@@ -137,11 +138,11 @@ class FixedSetValidator:
 
 
 def run_validation(
-    validator: FixedSetValidator, model_parts: list[nn.Module], step: int, ema: WeightEMA | None, record: str | None
-) -> dict[str, float]:
+    validator: FixedSetValidator, model_parts: list[nn.Module], step: int, ema: WeightEMA | None
+) -> tuple[dict[str, float], Callable[[str], None]]:
     """Every set's CE with the raw weights and, with an EMA, with the EMA weights swapped in, by TensorBoard tag
-    (the first set also as val/ce and val/ce_ema). With `record` (rank 0's validation folder), every batch's CE
-    goes to its step-N.json for the paired comparison."""
+    (the first set also as val/ce and val/ce_ema); and what writes every batch's CE to a validation folder's
+    step-N.json for the paired comparison (rank 0's record, written last: it says the validation is done)."""
     values = {"raw": validator.validate(model_parts, step)}
     batches = {"raw": dict(validator.per_batch)}
     if ema is not None:
@@ -152,9 +153,7 @@ def run_validation(
     metrics = {PRIMARY_TAGS[kind]: v[first] for kind, v in values.items()}
     for name in validator.names:
         metrics.update({set_tags(name)[kind]: v[name] for kind, v in values.items()})
-    if record is not None:
-        write_validation_batches(record, step, batches, first)
-    return metrics
+    return metrics, lambda folder: write_validation_batches(folder, step, batches, first)
 
 
 def write_validation_batches(
@@ -208,7 +207,9 @@ def build_fixed_set_validator(
 
 class Validation(Hook):
     """Validation in a job: the base at step 0 (`[validation] at_start`, a fresh start only), then every
-    `validation.freq` steps after the step's checkpoint; the raw weights and the EMA's (`ema`'s, swapped in)."""
+    `validation.freq` steps after the step's checkpoint; the raw weights and the EMA's (`ema`'s, swapped in). A job
+    resumed from a validation step whose validation has no record (the job before ended between the checkpoint and
+    the record) validates it first: the values of every validation step are logged, whatever ended a job."""
 
     name = "validation"
 
@@ -219,8 +220,22 @@ class Validation(Hook):
         self.trainer, self.settings = trainer, trainer.job_config.validation
 
     def start(self, step: int) -> None:
-        if self.settings.enable and self.settings.at_start and step == 0:
+        if not self.settings.enable:
+            return
+        if self.settings.at_start and step == 0:
             self.validate(0)  # the base, before any update (a resume does not repeat it): each arm's reference
+        elif step > 0 and self.trainer.validator.should_validate(step) and self._unrecorded(step):
+            logger.info(f"validation at step {step}: the job that checkpointed it ended before its validation")
+            self.validate(step)
+
+    def _record(self, step: int) -> str:
+        return os.path.join(self.trainer.job_config.job.dump_folder, "validation", f"step-{step:08d}.json")
+
+    def _unrecorded(self, step: int) -> bool:
+        """Rank 0's answer (it writes the records), the same on every rank."""
+        missing = dist.get_rank() == 0 and not os.path.exists(self._record(step))
+        vote = {"unrecorded": Scalar(torch.full((), float(missing), device=self.trainer.device), "max")}
+        return bool(reduce_scalars(vote, None)["unrecorded"].item())
 
     def after_save(self, step: Step) -> None:
         if self.settings.enable and self.trainer.validator.should_validate(step.number):
@@ -233,11 +248,12 @@ class Validation(Hook):
         t.optimizers.zero_grad()  # the last step's gradients are not read again: validation gets their memory
         t.checkpointer.maybe_wait_for_staging()  # a background save still copying the weights the EMA swaps
         began = time.perf_counter()
-        folder = os.path.join(t.job_config.job.dump_folder, "validation")
-        record = folder if dist.get_rank() == 0 else None
-        metrics = run_validation(t.validator, t.model_parts, step, self.ema.ema, record)
+        testing.before_validation(t.job_config.job.dump_folder, step)  # a test's hang; nothing otherwise
+        metrics, write_record = run_validation(t.validator, t.model_parts, step, self.ema.ema)
         log_scalars(t.metrics_processor.logger, metrics, step)
         flush(t.metrics_processor)
+        if dist.get_rank() == 0:
+            write_record(os.path.dirname(self._record(step)))
         spent = time.perf_counter() - began
         titan_compat.leave_out_of_log_window(t.metrics_processor, spent)
         t.clock.pause(spent, "validation", self.settings.freq)

@@ -15,7 +15,8 @@ key or command-line flag reaches them, and with the variables unset nothing here
 - MHAR_TEST_FAIL_UPLOAD=<step>:<rank>: that rank's upload of that step to the store fails (remote.py).
 - MHAR_TEST_HANG=<step>:<site>[:once][,...]: one rank stops for good at that step, where a job hangs for real:
   `collective` (rank 1 before the step's readback, which rank 0 then waits in), `loader` (rank 0 reading the step's
-  batches) or `save` (rank 1 writing the step's checkpoint); with `once`, only where the run folder has no stacks
+  batches), `save` (rank 1 writing the step's checkpoint) or `validation` (rank 1 as the step's validation begins,
+  after its checkpoint); with `once`, only where the run folder has no stacks
   of that hang yet (a restarted job gets past it). For the watchdog's tests (components/watchdog.py) and the soak.
 - MHAR_TEST_CRASH=<step>:<once|always>[,...]: rank 1 raises an error after that step; `once` only where the run
   folder has no crash record of that step and rank yet (so a restarted job gets past it). For the restarts' tests
@@ -51,7 +52,7 @@ FAULTS = {
 FAIL_UPLOAD_ENV = "MHAR_TEST_FAIL_UPLOAD"  # `STEP:RANK` makes that rank's upload of that step fail
 HANG_ENV = "MHAR_TEST_HANG"
 CRASH_ENV = "MHAR_TEST_CRASH"
-HANG_SITES = ("collective", "loader", "save")
+HANG_SITES = ("collective", "loader", "save", "validation")
 
 
 # -- MHAR_TEST_HOLD_SAVE ---------------------------------------------------------------------------------------------
@@ -231,6 +232,13 @@ def hangs() -> list[tuple[int, str, bool]]:
     kinds = (*HANG_SITES, *(f"{site}:once" for site in HANG_SITES))
     found = _steps_and(HANG_ENV, kinds, f"<step>:<site>[:once], the site one of {', '.join(HANG_SITES)}")
     return [(step, kind.partition(":")[0], kind.endswith(":once")) for step, kind in found]
+
+
+def before_validation(dump_folder: str, step: int) -> None:
+    """In a validation, before any batch: the `validation` hang, where the environment asks for one."""
+    for at, site, once in hangs():
+        if (at, site) == (step, "validation") and _rank() == 1 and not (once and _hung_before(dump_folder, step)):
+            hang_forever()
 
 
 def _hung_before(dump_folder: str, step: int) -> bool:
