@@ -28,6 +28,8 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from fnmatch import fnmatchcase
+from glob import has_magic
 from typing import Any, Protocol
 
 import fsspec
@@ -194,11 +196,16 @@ def read_index(path: str) -> dict[str, Any]:
 # -- start-up -----------------------------------------------------------------------------------
 
 
-def _indexed_entries(places: dict[str, Place], sizes: dict[str, int], index: str) -> dict[str, dict[str, Any]]:
-    """The index entry of each shard an index covers, with the index's URL under "index". `index` names
-    one file; "" means `_index.json` in each shard's folder, where that folder's listing holds one."""
+Indexes = dict[str, tuple[Any, str, dict[str, dict[str, Any]]]]  # index URL -> (filesystem, its folder, entries)
+
+
+def _indexed_entries(
+    places: dict[str, Place], sizes: dict[str, int], index: str
+) -> tuple[dict[str, dict[str, Any]], Indexes]:
+    """The index entry of each shard an index covers, with the index's URL under "index", and the indexes read.
+    `index` names one file; "" means `_index.json` in each shard's folder, where that folder's listing holds one."""
     named = locate(index) if index else None
-    files: dict[str, dict[str, dict[str, Any]]] = {}  # index URL -> its entries by relative path
+    files: Indexes = {}
     local: dict[str, str] = {}  # folder -> the URL of its index, "" without one
     found: dict[str, dict[str, Any]] = {}
     for shard, (fs, bare, folder) in places.items():
@@ -214,14 +221,41 @@ def _indexed_entries(places: dict[str, Place], sizes: dict[str, int], index: str
             if not url:
                 continue
         if url not in files:
-            files[url] = {entry["path"]: entry for entry in read_index(url)["shards"]}
+            files[url] = (fs, base, {entry["path"]: entry for entry in read_index(url)["shards"]})
         prefix = base.rstrip("/") + "/"
-        entry = files[url].get(bare[len(prefix) :]) if bare.startswith(prefix) else None
+        entry = files[url][2].get(bare[len(prefix) :]) if bare.startswith(prefix) else None
         if entry is not None:
             found[shard] = entry | {"index": url}
     if named is not None and not found:
         logger.warning(f"[data] the shard index {index} covers none of the {len(places)} shards: reading footers")
-    return found
+    return found, files
+
+
+def _selects(selection: str, bare: str) -> bool:
+    """A glob selects what it matches, a folder its own shards."""
+    return fnmatchcase(bare, selection) if has_magic(selection) else posixpath.dirname(bare) == selection
+
+
+def _gone(indexes: Indexes, sizes: dict[str, int], shards: list[str], paths: list[str]) -> dict[str, str]:
+    """{URL: problem} for each shard an index lists, in a folder that was listed, that `paths` select (a folder:
+    its own shards; a glob: what it matches) and that the listing lacks: deleted after the index was written."""
+    selections = []
+    for pattern in paths:
+        fs, bare = filesystem(pattern)
+        bare = bare.rstrip("/")
+        if has_magic(bare) or not bare.endswith(".parquet"):
+            selections.append((fs, bare))
+    listed = {posixpath.dirname(path) for path in sizes}
+    present, gone = set(shards), {}
+    for url, (fs, base, entries) in indexes.items():
+        for relative, entry in entries.items():
+            bare = posixpath.join(base, relative)
+            shard = to_url(fs, bare)
+            if shard in present or bare in sizes or posixpath.dirname(bare) not in listed or "error" in entry:
+                continue
+            if any(fs.protocol == sel_fs.protocol and _selects(sel, bare) for sel_fs, sel in selections):
+                gone[shard] = f"{shard}: listed in {url} but not in its folder (deleted after the index was written)"
+    return gone
 
 
 def _drop_stale(entries: dict[str, dict[str, Any]], sizes: dict[str, int], places: dict[str, Place]) -> list[str]:
@@ -282,10 +316,12 @@ def shard_infos(
     on_bad_shard: str = "error",
     index: str | None = "",
     threads: int = FOOTER_THREADS,
+    paths: list[str] | None = None,
 ) -> dict[str, ShardInfo]:
     """What `shard_info` gives for each usable shard (in the order given), from the index where it covers
     a shard of unchanged size with its footer digest, else from its footer; bad shards raise or are
-    skipped as in `check_shards`.
+    skipped as in `check_shards`. With the `paths` that listed them, a shard an index lists among them that is no
+    longer there is a bad shard too, named: a deleted shard never leaves a run quietly short of it.
 
     `index`: "" finds `_index.json` in each shard's folder, a path names one index, None reads every footer."""
     entries: dict[str, dict[str, Any]] = {}
@@ -296,7 +332,10 @@ def shard_infos(
         for fs, _, folder in places.values():  # the listings are there: a glob's folders are checked too
             if posixpath.join(folder, PREPARING) in sizes:
                 refuse_unfinished(to_url(fs, folder), [PREPARING])
-        entries = _indexed_entries(places, sizes, index)
+        entries, indexes = _indexed_entries(places, sizes, index)
+        gone = _gone(indexes, sizes, shards, paths) if paths else {}
+    else:
+        gone = {}
     missing = len(shards) - len(entries)
     stale = _drop_stale(entries, sizes, places)
     if missing and len(entries) + len(stale):
@@ -313,7 +352,8 @@ def shard_infos(
         except BadShardError as e:
             problem = e
         problems.append(problem)
-    usable = settle_bad_shards(shards, problems, on_bad_shard)
+    problems += [BadShardError(problem) for problem in gone.values()]
+    usable = settle_bad_shards([*shards, *gone], problems, on_bad_shard)
     return {shard: infos[shard] for shard in usable}
 
 
@@ -405,7 +445,8 @@ def startup_shards(
 
     def compute() -> dict[str, Any]:
         shards = list_shards(paths, manifest)
-        return infos_to_json(shard_infos(shards, text_column, source_column, on_bad_shard, index))
+        listed_by = None if manifest else paths  # a manifest names every shard itself: a missing one fails its listing
+        return infos_to_json(shard_infos(shards, text_column, source_column, on_bad_shard, index, paths=listed_by))
 
     return infos_from_json(share_from_rank0(compute, channel))
 

@@ -99,6 +99,24 @@ def test_stale_entries_are_read_from_their_footers_with_a_warning(corpus, caplog
     assert any("1 of 6 shards not in a shard index: reading their footers" in m for m in messages)
 
 
+def test_a_shard_its_index_lists_that_is_gone_stops_the_run_by_name_or_is_skipped_and_counted(corpus, caplog):
+    """Deleted after the index was written: never a run quietly short of it (7 of 8 shards)."""
+    write_index(list_shards([str(corpus)]), str(corpus / INDEX_NAME))
+    gone = corpus / "shard-02.parquet"
+    gone.unlink()
+    said = rf"{re.escape(str(gone))}: listed in {re.escape(str(corpus / INDEX_NAME))} but not in its folder"
+    for paths in ([str(corpus)], [str(corpus / "shard-0*.parquet")]):  # the folder, a glob that selects it
+        with pytest.raises(BadShardError, match=said):
+            startup_shards(paths, "", "text", "source", "error")
+    with caplog.at_level(logging.WARNING, logger="data.shards"):
+        kept = startup_shards([str(corpus)], "", "text", "source", "skip")
+    assert len(kept) == 5 and str(gone) not in kept
+    assert "skipping shard: " + str(gone) in caplog.text and "skipped 1 of 6 shards at start-up" in caplog.text
+    # what the paths do not select is not asked for: a glob past it, the shards named one by one, a manifest's
+    assert len(startup_shards([str(corpus / "shard-0[3-5].parquet")], "", "text", "source", "error")) == 3
+    assert len(startup_shards([str(corpus / "shard-00.parquet")], "", "text", "source", "error")) == 1
+
+
 def test_bad_shards_in_the_index_stop_the_run_or_are_skipped(corpus, caplog):
     (corpus / "shard-50.parquet").write_bytes(b"PAR1 not parquet")
     pq.write_table(pa.table({"text": ["a", "b"], "body": ["x", "y"]}), corpus / "shard-60.parquet")
