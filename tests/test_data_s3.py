@@ -3,6 +3,7 @@ run, behind the same `s3://` URLs and the same code paths as on a cluster (the e
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,9 +17,9 @@ from test_data_prepare import LIMIT, make_inputs
 from data import prepare
 from data.atomic import HOST, OutputError, RemoteFolder
 from data.config import DataConfig
-from data.index import INDEX_NAME
+from data.index import INDEX_NAME, startup_shards, write_index
 from data.loader import ParquetDataLoader, ValidationLoader, source_infos
-from data.shards import PREPARING, UnfinishedFolderError, list_shards
+from data.shards import PREPARING, BadShardError, UnfinishedFolderError, list_shards
 
 BUCKET = "corpora"
 
@@ -78,6 +79,19 @@ def test_a_bucket_or_prefix_that_is_not_there_is_named_before_any_batch(s3):
 
 
 # -- python -m data.prepare writing to s3:// -------------------------------------------------------------
+
+
+def test_a_shard_deleted_from_a_store_prefix_its_index_lists_is_named_not_dropped(s3):
+    """The object gone, `_index.json` still listing it: start-up names it, never 3 of 4 shards in silence."""
+    prefix = f"{BUCKET}/gone"
+    s3.put(f"{REPO}/assets/tiny/code/", f"{prefix}/", recursive=True)
+    shards = list_shards([f"s3://{prefix}"])
+    write_index(shards, f"s3://{prefix}/{INDEX_NAME}")
+    s3.rm(f"{prefix}/shard-00001.parquet")
+    said = f"s3://{prefix}/shard-00001.parquet: listed in s3://{prefix}/{INDEX_NAME} but not in its folder"
+    with pytest.raises(BadShardError, match=re.escape(said)):
+        startup_shards([f"s3://{prefix}"], "", "text", "source", "error")
+    assert len(startup_shards([f"s3://{prefix}"], "", "text", "source", "skip")) == len(shards) - 1
 
 
 @pytest.fixture
