@@ -225,7 +225,7 @@ class Validation(Hook):
         if self.settings.at_start and step == 0:
             self.validate(0)  # the base, before any update (a resume does not repeat it): each arm's reference
         elif step > 0 and self.trainer.validator.should_validate(step) and self._unrecorded(step):
-            logger.info(f"validation at step {step}: the job that checkpointed it ended before its validation")
+            logger.info(f"validation at step {step}: no job validated it (the one that checkpointed it ended first)")
             self.validate(step)
 
     def _record(self, step: int) -> str:
