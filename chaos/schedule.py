@@ -80,12 +80,3 @@ def draw(seed: int, steps: int, save_every: int, external_per_arm: int) -> list[
         f"{steps} steps cannot hold a crash, a hang and {external_per_arm} external faults an arm {CLEAR} steps clear "
         f"of them: ask for more steps or fewer faults"
     )
-
-
-def seams(faults: list[Fault]) -> dict[str, str]:
-    """The environment that injects the round's crashes and hangs (both arms)."""
-    entries: dict[str, list[str]] = {}
-    for f in faults:
-        if f.kind in INJECTED:
-            entries.setdefault(f.kind, []).append(f.env_entry())
-    return {kind: ",".join(v) for kind, v in entries.items()}

@@ -348,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(f"chaos.soak: no Slurm here: {why}", file=sys.stderr)
         return 2
+    if args.minutes < 0:
+        print(f"chaos.soak: --minutes {args.minutes:g}: a number of minutes, 0 or more (0: one round)", file=sys.stderr)
+        return 2
     if args.steps < 12 or args.faults < 1:
         print(
             f"chaos.soak: --steps {args.steps} --faults {args.faults}: at least 12 steps and 1 fault", file=sys.stderr
