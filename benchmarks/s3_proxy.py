@@ -17,8 +17,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 # What `fault(method, path)` may answer for a request: None (forward it), "drop" (close the connection without
-# an answer) or "stall" (hold it without an answer until the proxy stops, or `stall_s` passes).
+# an answer), "stall" (hold it without an answer until the proxy stops, or `stall_s` passes) or "slowdown" (answer
+# 503 SlowDown, as S3 throttles).
 Fault = Callable[[str, str], str | None]
+SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer"}
 
 
@@ -55,8 +60,8 @@ class S3Proxy:
         with self._count:
             self.requests += 1
         verdict = self.fault(method, path) if self.fault else None
-        if verdict not in (None, "drop", "stall"):
-            raise ValueError(f"fault({method} {path}) gave {verdict!r}: None, 'drop' or 'stall'")
+        if verdict not in (None, "drop", "stall", "slowdown"):
+            raise ValueError(f"fault({method} {path}) gave {verdict!r}: None, 'drop', 'stall' or 'slowdown'")
         if verdict:
             with self._count:
                 self.faults += 1
@@ -83,6 +88,9 @@ def _handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
             verdict = proxy._verdict(self.command, self.path)
             if verdict == "stall":
                 proxy._stopping.wait(proxy.stall_s)
+            if verdict == "slowdown":
+                self._answer(503, "Slow Down", SLOW_DOWN)
+                return
             if verdict:
                 self.close_connection = True
                 return  # the client sees its connection closed with no answer
@@ -106,6 +114,14 @@ def _handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
+
+        def _answer(self, status: int, reason: str, body: bytes) -> None:
+            self.send_response_only(status, reason)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(0 if self.command == "HEAD" else len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
 
         do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 

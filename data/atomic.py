@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from fsspec.core import url_to_fs
+from data.store import StoreError, create_exclusive, filesystem, objects, remove_prefix, store_call
 
 HOST = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
 
@@ -137,7 +137,7 @@ class RemoteFolder:
 
     def __init__(self, url: str, marker: str, tool: str, redo: str = "rerun with --overwrite"):
         self.url, self.marker, self.tool, self.redo = url.rstrip("/"), marker, tool, redo
-        self.fs, self.root = url_to_fs(self.url)
+        self.fs, self.root = filesystem(self.url)
         self.uploaded: list[str] = []
         self.claimed = False
 
@@ -147,17 +147,13 @@ class RemoteFolder:
     def name_url(self, name: str) -> str:
         return f"{self.url}/{name}"
 
+    def _store(self, what: str, call: Callable[[], object], name: str = "") -> object:
+        return store_call(self.name_url(name) if name else self.url, what, call)
+
     def listing(self) -> list[str]:
-        """The folder's entries (a sub-folder with a trailing /), read fresh; [] if nothing is there."""
-        try:
-            entries = self.fs.ls(self.root, detail=True, refresh=True)
-        except FileNotFoundError:
-            return []
-        except Exception as e:  # noqa: BLE001  the store's first answer: a missing bucket, no credentials (botocore's own type)
-            raise OutputError(f"{self.url}: cannot list it ({type(e).__name__}: {e})") from e
-        return sorted(
-            os.path.basename(e["name"].rstrip("/")) + ("/" if e["type"] == "directory" else "") for e in entries
-        )
+        """The objects below the folder (paths relative to it), read fresh; [] if none (folder entries are not
+        objects). A bucket that is not there is a StoreError, here, before any work."""
+        return self._store("listing", lambda: objects(self.fs, self.root))  # type: ignore[return-value]
 
     def check(self, replace: bool, log: Callable[[str], None]) -> list[str]:
         """The folder's entries after the marker of a killed writer of this host is removed (with `replace`);
@@ -195,37 +191,41 @@ class RemoteFolder:
             "fqdn": socket.getfqdn(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
+        data = json.dumps(owner).encode()
         try:
-            with self.fs.open(self.path(self.marker), "xb") as f:
-                f.write(json.dumps(owner).encode())
+            self._store(f"creating {self.marker}", lambda: create_exclusive(self.fs, self.path(self.marker), data))
         except FileExistsError as e:
             raise OutputError(f"{self.url}: another {self.tool} began writing it just now") from e
+        except StoreError:
+            raise
         except (OSError, ValueError, NotImplementedError) as e:
             raise OutputError(f"{self.url}: cannot create {self.marker} there ({type(e).__name__}: {e})") from e
         self.claimed = True
 
     def delete(self, names: list[str]) -> None:
         for name in names:
-            self.fs.rm_file(self.path(name))
+            self._store("deleting it", lambda name=name: self.fs.rm_file(self.path(name)), name)
 
     def upload(self, local: str, name: str | None = None, keep: bool = False) -> None:
         """Put one finished file there (as `name`, default its own) and, unless `keep`, free its local copy."""
         name = name or os.path.basename(local)
-        self.fs.put_file(local, self.path(name))
+        self._store("uploading it", lambda: self.fs.put_file(local, self.path(name)), name)
         self.uploaded.append(name)
         if not keep:
             os.unlink(local)
 
     def finish(self) -> None:
-        self.fs.rm_file(self.path(self.marker))
+        self.delete([self.marker])
         self.claimed = False
 
     def abandon(self, log: Callable[[str], None]) -> None:
-        """After a failure: delete this writer's files, then its marker; what cannot be deleted is said."""
+        """After a failure: delete this writer's files, then its marker, then the folder entries they leave on
+        some servers (an empty prefix then lists nothing); what cannot be deleted is said."""
         if not self.claimed:
             return
         try:
             self.delete(self.uploaded)
-            self.fs.rm_file(self.path(self.marker))
+            self.delete([self.marker])
+            self._store("removing it", lambda: remove_prefix(self.fs, self.root, []))
         except OSError as e:
             log(f"{self.url}: could not delete this run's partial output ({e}); its {self.marker} stays: {self.redo}")

@@ -50,7 +50,7 @@ from data.shards import (
     refuse_unfinished,
     settle_bad_shards,
 )
-from data.store import CONNECTIONS, StoreError, filesystem, read_from_store
+from data.store import CONNECTIONS, StoreError, filesystem, store_call
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def read_index(path: str) -> dict[str, Any]:
     """An index file, checked key by key; anything malformed is a BadIndexError naming the file and key."""
     try:
         fs, bare = filesystem(path)
-        index = read_from_store(path, "reading the shard index", lambda: json.loads(fs.cat_file(bare)))
+        index = store_call(path, "reading the shard index", lambda: json.loads(fs.cat_file(bare)))
     except StoreError:
         raise
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

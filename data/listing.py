@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from data.store import StoreError, filesystem, read_from_store
+from data.store import StoreError, filesystem, store_call
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def folder_sizes(places: dict[str, Place], threads: int) -> dict[str, int]:
     def listing(key: tuple[int, str]) -> dict[str, int]:
         fs = folders[key]
         try:
-            entries = read_from_store(to_url(fs, key[1]), "listing", partial(fs.ls, key[1], detail=True))
+            entries = store_call(to_url(fs, key[1]), "listing", partial(fs.ls, key[1], detail=True))
         except StoreError:
             raise
         except OSError as e:

@@ -57,6 +57,7 @@ from data.prepare_output import (
 )
 from data.prepare_report import FileStats, Sample, bad_rows_problem, describe, make_summary
 from data.readers import TEXT_MODES, Input, InputError, Skip, discover, read_rows
+from data.store import StoreError
 
 SCHEMA = pa.schema([("text", pa.string()), ("source", pa.string())])
 ROW_GROUP_BYTES = 128 << 20  # a row group of huge documents is cut sooner: bounded memory, int32 offsets
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     try:
         summary = run(args)
-    except (InputError, PrepareError, OutputError) as e:
+    except (InputError, PrepareError, OutputError, StoreError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(describe(summary))

@@ -31,7 +31,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data.store import StoreError, filesystem, read_from_store
+from data.store import StoreError, filesystem, store_call
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +102,10 @@ def list_shards(paths: list[str], manifest: str = "") -> list[str]:
     """Shard URLs from globs/paths or a manifest file, sorted, each listed once; a store that cannot be read
     (no credentials, no answer) is a StoreError naming the URL."""
     if manifest:
-        paths = read_from_store(manifest, "reading the manifest", partial(_manifest_lines, manifest))
+        paths = store_call(manifest, "reading the manifest", partial(_manifest_lines, manifest))
     found: list[str] = []
     for pattern in paths:
-        matches = read_from_store(pattern, "listing [data] paths", partial(_matches, pattern))
+        matches = store_call(pattern, "listing [data] paths", partial(_matches, pattern))
         if not matches:
             raise FileNotFoundError(f"[data] paths: {pattern!r} matches no parquet file")
         found += matches
@@ -236,7 +236,7 @@ def read_footer(path: str) -> Footer:
     the footer fits in 64 KiB; an unreadable file is a BadShardError naming it, a store that cannot be read
     a StoreError."""
     try:
-        tail, meta, schema = read_from_store(path, "reading its footer", partial(_parse_footer, path))
+        tail, meta, schema = store_call(path, "reading its footer", partial(_parse_footer, path))
     except StoreError:
         raise
     except Exception as e:  # pyarrow raises several types for unreadable files
@@ -337,7 +337,7 @@ def read_row_group(
     shard is a BadShardError naming it, a store that cannot be read a StoreError (never skipped)."""
     columns = [c for c in (text_column, source_column) if c]
     try:
-        table = read_from_store(path, f"reading row group {index}", partial(_read_columns, path, index, columns))
+        table = store_call(path, f"reading row group {index}", partial(_read_columns, path, index, columns))
     except StoreError:
         raise
     except Exception as e:

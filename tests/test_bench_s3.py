@@ -48,7 +48,7 @@ def batches(paths, n, proxy=None):
 def test_through_the_proxy_the_loader_reads_the_local_tokens_and_waits_per_request(tmp_path, monkeypatch):
     local = list_shards([str(shards(tmp_path))])
     want, _, _ = batches(local, 120)  # 2 streams of 12 documents, about 30 windows a row group: several refills
-    with s3_server(), S3Proxy(os.environ["AWS_ENDPOINT_URL"], latency_s=LATENCY) as proxy:
+    with s3_server("moto"), S3Proxy(os.environ["AWS_ENDPOINT_URL"], latency_s=LATENCY) as proxy:
         urls = upload(os.environ["AWS_ENDPOINT_URL"], {p.rsplit("/", 1)[1]: p for p in local}, "s3://bench/tiny")
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         got, seconds, requests = batches(urls, 120, proxy)

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import torchrun
-from s3_server import s3_server
+from s3_server import SERVERS, s3_server
 
 from benchmarks.s3_proxy import S3Proxy
+from data.store import StoreError
 from mhar_titan.components.checkpoint.remote import CLAIM, RemoteCheckpoints
 from mhar_titan.components.checkpoint.testing import FAIL_UPLOAD_ENV
 from mhar_titan.components.tensorboard_scalars import read_scalars
@@ -41,9 +42,10 @@ def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in load_run_checkpoint(str(run), step).named_parameters()}
 
 
-def test_checkpoints_on_s3_are_the_ones_on_disk_and_an_empty_run_folder_resumes_from_them_exactly(tmp_path):
+@pytest.mark.parametrize("server", SERVERS)
+def test_checkpoints_on_s3_are_the_ones_on_disk_and_an_empty_run_folder_resumes_from_them_exactly(tmp_path, server):
     url = "s3://ckpt/pair/control"
-    with s3_server() as fs:
+    with s3_server(server) as fs:
         fs.mkdir("ckpt")
         first = tmp_path / "node-a"
         torchrun(first, *ARGS, "--checkpoint.folder", url, "--checkpoint.async_mode", "async_with_pinned_mem")
@@ -91,9 +93,10 @@ def test_checkpoints_on_s3_are_the_ones_on_disk_and_an_empty_run_folder_resumes_
     assert [json.loads(line)["step"] for line in starts] == [0, 6]  # the run's record, copied, and this start
 
 
-def test_a_failed_last_upload_fails_the_job_and_the_relaunch_puts_it_there(tmp_path):
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_failed_last_upload_fails_the_job_and_the_relaunch_puts_it_there(tmp_path, server):
     url = "s3://ckpt/failing"
-    with s3_server() as fs:
+    with s3_server(server) as fs:
         fs.mkdir("ckpt")
         run = tmp_path / "run"
         background = ("--checkpoint.async_mode", "async")
@@ -115,8 +118,9 @@ def test_a_failed_last_upload_fails_the_job_and_the_relaunch_puts_it_there(tmp_p
         assert on_store(fs, url + "/step-7") == on_disk(run / "checkpoint" / "step-7")
 
 
-def test_a_prefix_of_another_run_or_of_other_objects_is_refused_before_any_work(tmp_path):
-    with s3_server() as fs:
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_prefix_of_another_run_or_of_other_objects_is_refused_before_any_work(tmp_path, server):
+    with s3_server(server) as fs:
         fs.mkdir("ckpt")
         fs.pipe_file("ckpt/corpus/shard.parquet", b"not a checkpoint")
         proc = torchrun(tmp_path / "a", *ARGS, "--checkpoint.folder", "s3://ckpt/corpus", nproc=1, check=False)
@@ -138,5 +142,5 @@ def test_a_prefix_of_another_run_or_of_other_objects_is_refused_before_any_work(
         (tmp_path / "b" / "remote.json").write_text(json.dumps({"url": "s3://ckpt/mine", "run_id": "other"}))
         with pytest.raises(ValueError, match=r"holds the checkpoints of another run .* \(run other\)"):
             theirs.attach()
-        with pytest.raises(OSError, match=r"^s3://nosuchbucket/run: cannot create _RUN.json there"):
+        with pytest.raises(StoreError, match=r"^s3://nosuchbucket/run: listing: the bucket .nosuchbucket. does not"):
             RemoteCheckpoints("s3://nosuchbucket/run", str(tmp_path / "c" / "ck"), str(tmp_path / "c")).attach()

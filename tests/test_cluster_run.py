@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import REPO, process_tree, torchrun
-from s3_server import s3_server
+from s3_server import SERVERS, s3_server
 
 from mhar_titan.components.lr_schedule import lr_factor
 from mhar_titan.components.tensorboard_scalars import read_scalars
@@ -73,11 +73,12 @@ def test_the_last_steps_save_applies_retention(base):
     assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-6", "step-7"]  # step 4 purged at 7
 
 
-def test_a_run_on_s3_from_the_first_step_trains_as_the_run_on_local_files(base, tmp_path):
+@pytest.mark.parametrize("server", SERVERS)
+def test_a_run_on_s3_from_the_first_step_trains_as_the_run_on_local_files(base, tmp_path, server):
     """2 ranks, the mixture's sources, their held-out validation sets and a set of its own all on s3:// (a real
     S3 server, s3fs): the same losses and weights as the base run on local files, bit for bit."""
     run, corpus = base
-    with s3_server() as fs:
+    with s3_server(server) as fs:
         fs.mkdir("corpora")
         fs.put(f"{corpus}/", "corpora/moved/", recursive=True)
         sets = "docstrings:heldout=docstrings,code:heldout=code,files:s3://corpora/moved/code"
@@ -92,12 +93,15 @@ def test_a_run_on_s3_from_the_first_step_trains_as_the_run_on_local_files(base, 
     assert ours["contents"] == theirs["contents"]  # the shards by their contents: where they lie is not recorded
 
 
-def test_another_rank_count_continues_exactly_from_the_corpus_on_s3_and_another_local_batch_is_refused(base, tmp_path):
+@pytest.mark.parametrize("server", SERVERS)
+def test_another_rank_count_continues_exactly_from_the_corpus_on_s3_and_another_local_batch_is_refused(
+    base, tmp_path, server
+):
     run, corpus = base
     # From step 6 (an odd multiple of 2: the loader's batch counter matters), on 1 rank with the same
     # global batch: 2 microbatches of 4 windows a step, the same windows of the same streams as 2 ranks took;
     # with the corpus moved to object storage (a real S3 server, s3fs): the same shards by their contents.
-    with s3_server() as fs:
+    with s3_server(server) as fs:
         fs.mkdir("corpora")
         fs.put(f"{corpus}/", "corpora/moved/", recursive=True)
         resumed = copy_run(run, tmp_path / "one_rank", drop=(7,))

@@ -1,5 +1,6 @@
-"""Shards on object storage: a real S3 server (moto's, on a free port of 127.0.0.1) and s3fs, the client users
-run, behind the same `s3://` URLs and the same code paths as on a cluster (the endpoint from AWS_ENDPOINT_URL)."""
+"""Shards on object storage: real S3 servers (moto's and SeaweedFS, tests/s3_server.py) and s3fs, the client users
+run, behind the same `s3://` URLs and the same code paths as on a cluster (the endpoint from AWS_ENDPOINT_URL).
+Every test runs against each server."""
 
 import json
 import os
@@ -10,7 +11,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO
-from s3_server import s3_server
+from s3_server import SERVERS, s3_server
 from test_data import BATCH, ENCODE, SEQ, take
 from test_data_prepare import LIMIT, make_inputs
 
@@ -24,10 +25,10 @@ from data.shards import PREPARING, BadShardError, UnfinishedFolderError, list_sh
 BUCKET = "corpora"
 
 
-@pytest.fixture(scope="module")
-def s3():
-    """The server (tests/s3_server.py) with the demo corpus uploaded as s3://corpora/tiny/."""
-    with s3_server() as fs:
+@pytest.fixture(scope="module", params=SERVERS)
+def s3(request):
+    """Each server (tests/s3_server.py) with the demo corpus uploaded as s3://corpora/tiny/."""
+    with s3_server(request.param) as fs:
         fs.mkdir(BUCKET)
         fs.put(f"{REPO}/assets/tiny/corpus/", f"{BUCKET}/tiny/corpus/", recursive=True)
         fs.put(f"{REPO}/assets/tiny/code/", f"{BUCKET}/tiny/code/", recursive=True)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from s3_server import s3_server
+from s3_server import SERVERS, s3_server
 from tiny_runs import write_tiny_run
 
 from data.atomic import HOST
@@ -16,9 +16,9 @@ from mhar_titan.hf.load import load_hf_model
 from mhar_titan.model.args import MHAR
 
 
-@pytest.fixture(scope="module")
-def s3():
-    with s3_server() as fs:
+@pytest.fixture(scope="module", params=SERVERS)
+def s3(request):
+    with s3_server(request.param) as fs:
         fs.mkdir("exports")
         yield fs
 

@@ -19,7 +19,7 @@ import torch
 from aiohttp import ClientPayloadError
 from botocore.exceptions import ClientError
 from conftest import REPO, torchrun
-from s3_server import s3_server
+from s3_server import SERVERS, s3_server
 from test_data import BATCH, ENCODE, SEQ, take
 
 from benchmarks.s3_proxy import S3Proxy
@@ -27,7 +27,7 @@ from data.config import DataConfig
 from data.index import FOOTER_THREADS
 from data.loader import ParquetDataLoader, source_infos
 from data.shards import BadShardError, read_row_group
-from data.store import StoreError, filesystem, read_from_store
+from data.store import BoundedSession, StoreError, filesystem, store_call
 from data.stream import epoch_streams
 from mhar_titan.components.checkpoint.checksums import verify_share
 from mhar_titan.components.checkpoint.layout import complete_steps
@@ -38,10 +38,10 @@ ATTEMPTS = 2  # AWS_MAX_ATTEMPTS in these tests: botocore tries each request twi
 TIMEOUT_S = 1  # s3fs's connect and read timeouts in these tests (FSSPEC_S3)
 
 
-@pytest.fixture(scope="module")
-def s3():
+@pytest.fixture(scope="module", params=SERVERS)
+def s3(request):
     """The server with the demo corpus at s3://corpora/tiny/corpus/; yields (client, endpoint)."""
-    with s3_server() as fs:
+    with s3_server(request.param) as fs:
         fs.mkdir(BUCKET)
         fs.put(f"{REPO}/assets/tiny/corpus/", f"{BUCKET}/tiny/corpus/", recursive=True)
         yield fs, os.environ["AWS_ENDPOINT_URL"]
@@ -221,19 +221,20 @@ def test_an_answer_cut_short_is_read_again_once_and_a_5xx_answer_is_not(caplog):
 
     cut = ClientPayloadError("Response payload is not completed")
     with caplog.at_level(logging.WARNING, logger="data.store"):
-        assert read_from_store(url, "reading row group 0", failing(cut, 1)) == "data" and len(calls) == 2
+        assert store_call(url, "reading row group 0", failing(cut, 1)) == "data" and len(calls) == 2
     assert f"[data] {url}: reading row group 0: the answer was cut short" in caplog.text
     with pytest.raises(StoreError, match=f"^{url}: reading row group 0: the store failed \\(read 2 times"):
-        read_from_store(url, "reading row group 0", failing(cut, 2))
+        store_call(url, "reading row group 0", failing(cut, 2))
     server = OSError(errno.EIO, "We encountered an internal error. Please try again.")
     server.__cause__ = ClientError(
         {"Error": {"Code": "InternalError"}, "ResponseMetadata": {"HTTPStatusCode": 500}}, "GetObject"
     )
-    with pytest.raises(StoreError, match="the store failed \\(read once .* OSError: .*internal error"):
-        read_from_store(url, "reading row group 0", failing(server, 1))
-    assert len(calls) == 1
+    said = "the store failed \\(read once .* HTTP 500 InternalError on GetObject: .*internal error"
+    with pytest.raises(StoreError, match=said) as e:
+        store_call(url, "reading row group 0", failing(server, 1))
+    assert len(calls) == 1 and e.value.kind == "server"
     with pytest.raises(FileNotFoundError):
-        read_from_store(url, "reading row group 0", failing(FileNotFoundError(url), 1))
+        store_call(url, "reading row group 0", failing(FileNotFoundError(url), 1))
 
 
 # -- a training job ------------------------------------------------------------------------------
@@ -286,6 +287,8 @@ def test_the_loader_and_data_prepare_import_without_the_s3_extra():
 def test_the_loaders_s3_client_keeps_a_connection_per_footer_thread_and_the_users_fsspec_settings(monkeypatch):
     monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"read_timeout": 3}})
     fs, _ = filesystem("s3://corpora/tiny")
-    assert fs.config_kwargs == {"max_pool_connections": FOOTER_THREADS, "read_timeout": 3} and fs.retries == 1
+    bounded = {"http_session_cls": BoundedSession}  # each request bounded as a whole
+    want = {"max_pool_connections": FOOTER_THREADS, "read_timeout": 3, **bounded}
+    assert fs.config_kwargs == want and fs.retries == 1
     monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {"max_pool_connections": 8}})
-    assert filesystem("s3://corpora/tiny")[0].config_kwargs == {"max_pool_connections": 8}  # the user's, kept
+    assert filesystem("s3://corpora/tiny")[0].config_kwargs == {"max_pool_connections": 8, **bounded}  # the user's

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from data.store import StoreError
 from mhar_titan.hf.export import init_hf
 from mhar_titan.hf.files import DTYPES
 from mhar_titan.hf.load import inspect
@@ -91,7 +92,7 @@ def _init(args: argparse.Namespace) -> None:
             args.device,
             layers=args.layers,
         )
-    except (FileNotFoundError, FileExistsError, ValueError) as e:  # bad input: one line, no traceback
+    except (FileNotFoundError, FileExistsError, ValueError, StoreError) as e:  # bad input, a store: one line
         sys.exit(f"python -m mhar_titan.hf init: {e}")
     depth = f", {args.layers} layers" if args.layers else ""
     print(f"wrote a random {args.flavor}{depth} base checkpoint (seed {args.seed}, {args.dtype}) to {args.out_dir}")
@@ -124,7 +125,7 @@ def _export(args: argparse.Namespace) -> None:
             verify=not args.no_verify,
             log=_log_line,
         )
-    except (FileNotFoundError, FileExistsError, ValueError) as e:  # bad input: one line, no traceback
+    except (FileNotFoundError, FileExistsError, ValueError, StoreError) as e:  # bad input, a store: one line
         sys.exit(f"python -m mhar_titan.hf export: {e}")
     print(f"exported {step_dir} ({'EMA' if args.ema else 'raw'} weights) to {args.out_dir} ({args.dtype})")
 

@@ -441,13 +441,19 @@ class CPTCheckpointManager(CheckpointManager):
         """A background save still writing finishes first: the job (and with it the run lock, released after
         this) ends with that checkpoint complete or, if it failed, said. Then torchtitan's close."""
         failure = None
+        error = sys.exc_info()[1]  # the job's own failure, if it ends in one: said before any wait, not after
+        remote = getattr(self, "remote", None)
+        busy = getattr(self, "save_future", None) is not None or (remote is not None and remote.busy())
+        if isinstance(error, Exception) and busy and getattr(self, "enable", False):
+            logger.error(
+                f"the job failed ({type(error).__name__}: {str(error)[:2000]}); finishing its checkpoints first"
+            )
         if getattr(self, "enable", False) and getattr(self, "save_future", None) is not None:
             try:
                 self._async_wait()
             except (Exception, CheckpointException) as e:
                 failure = e
             self.save_future = None
-        remote = getattr(self, "remote", None)
         upload = remote.finish() if remote is not None else None  # the last upload, after the save it copies
         super().close()
         ending_well = sys.exc_info()[1] is None  # the job fails now; else its own error stands

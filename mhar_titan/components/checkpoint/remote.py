@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
 from data.atomic import clean_stale, sibling, write_text
-from data.store import StoreError, filesystem
+from data.store import StoreError, classify, create_exclusive, filesystem, objects, remove_prefix, store_call
 from mhar_titan.components.checkpoint import testing
 from mhar_titan.components.checkpoint.layout import COMPLETE, STEP_GLOB, complete_steps, step_folder, step_of
 
@@ -56,6 +56,7 @@ RUN_FILES = (
 )
 WAIT_S = 3600.0  # rank 0 waiting for the other ranks' shares of one step
 _POLL_S = 0.1
+SAY_WAITING_S = 30.0  # the job's end says it still waits for the last upload this often
 
 
 def is_url(folder: str) -> bool:
@@ -94,12 +95,10 @@ class RemoteCheckpoints:
         return "/".join([self.root, *names])
 
     def _names(self) -> list[str]:
-        try:
-            return sorted(os.path.basename(p.rstrip("/")) for p in self.fs.ls(self.root, refresh=True))
-        except FileNotFoundError:
-            return []
-        except Exception as e:  # noqa: BLE001  the store's first answer: a missing bucket, no credentials
-            raise StoreError(f"{self.url}: cannot list it ({type(e).__name__}: {e})") from e
+        """The top-level names of the objects below the prefix (folder entries without objects are none)."""
+        return sorted(
+            {name.split("/")[0] for name in store_call(self.url, "listing", lambda: objects(self.fs, self.root))}
+        )
 
     # -- start-up, on rank 0 --------------------------------------------------------------------
 
@@ -153,12 +152,14 @@ class RemoteCheckpoints:
             "dump_folder": os.path.abspath(self.run_dir),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
+        data = json.dumps(claim, indent=1).encode()
         try:
-            with self.fs.open(self._path(CLAIM), "xb") as f:
-                f.write(json.dumps(claim, indent=1).encode())
+            store_call(self.url, f"creating {CLAIM} there", lambda: create_exclusive(self.fs, self._path(CLAIM), data))
         except FileExistsError as e:
             raise ValueError(f"{self.url}: another run claimed it just now") from e
-        except Exception as e:  # noqa: BLE001  botocore's own types: a missing bucket, no credentials, no answer
+        except StoreError:
+            raise
+        except Exception as e:  # noqa: BLE001  anything else the store says: named, one line
             raise StoreError(f"{self.url}: cannot create {CLAIM} there ({type(e).__name__}: {e})") from e
 
     def _fetch_records(self) -> list[str]:
@@ -186,7 +187,8 @@ class RemoteCheckpoints:
             shutil.rmtree(partial, ignore_errors=True)
             raise StoreError(
                 f"{self.url}/{step_folder(step)}: copying it into {target} failed ({type(e).__name__}: "
-                f"{str(e)[:300]}); nothing was loaded"
+                f"{str(e)[:300]}); nothing was loaded",
+                classify(e) or "unreachable",
             ) from e
         shutil.rmtree(target, ignore_errors=True)  # an unfinished local write of this step, if any
         os.rename(partial, target)
@@ -197,12 +199,11 @@ class RemoteCheckpoints:
         )
 
     def _copy_down(self, remote: str, partial: str) -> None:
-        objects = sorted(self.fs.find(remote))
-        relative = [p[len(remote) + 1 :] for p in objects]
+        relative = objects(self.fs, remote)
         paths = [os.path.join(partial, r) for r in relative]
         for p in paths:
             os.makedirs(os.path.dirname(p), exist_ok=True)
-        self.fs.get(objects, paths)
+        self.fs.get([f"{remote}/{r}" for r in relative], paths)
         for r, p in zip(relative, paths, strict=True):
             if (size := self.fs.info(f"{remote}/{r}")["size"]) != os.path.getsize(p):
                 raise OSError(f"{r}: {os.path.getsize(p)} bytes copied, {size} on the store")
@@ -259,7 +260,8 @@ class RemoteCheckpoints:
             return
         remote = [self._path(prefix, n) if prefix else self._path(n) for n in names]
         local = [os.path.join(folder, n) for n in names]
-        self.fs.put(local, remote)
+        where = f"{self.url}/{prefix}" if prefix else self.url
+        store_call(where, f"uploading {len(names)} files", lambda: self.fs.put(local, remote))
         for lp, rp in zip(local, remote, strict=True):
             if (size := self.fs.info(rp)["size"]) != os.path.getsize(lp):
                 raise OSError(f"{rp}: {size} bytes on the store, {os.path.getsize(lp)} on disk")
@@ -284,14 +286,23 @@ class RemoteCheckpoints:
         for step in sorted(s for s in present if s not in kept and (s in complete or s < newest)):
             if step in complete:
                 self.fs.rm_file(self._path(step_folder(step), COMPLETE))
-            self.fs.rm(self._path(step_folder(step)), recursive=True)
+            remove_prefix(self.fs, self._path(step_folder(step)))  # its folder entries too, where a server keeps them
             logger.info(f"{self.url}/{step_folder(step)}: removed (retention)")
 
+    def busy(self) -> bool:
+        """Whether an upload is still running."""
+        return self._last is not None and self._last.is_alive()
+
     def finish(self) -> str | None:
-        """At the job's end: wait for the last upload; its failure, if it failed."""
-        if self._last is not None and self._last.is_alive():
-            logger.info(f"waiting for the upload to {self.url} to finish")
-            self._last.join()
+        """At the job's end: wait for the last upload, saying so every SAY_WAITING_S; its failure, if it failed.
+        The wait ends: each of the upload's requests is bounded (data/store.py), and so are their attempts."""
+        began = time.monotonic()
+        while self._last is not None and self._last.is_alive():
+            waited = time.monotonic() - began
+            steps = ", ".join(step_folder(s) for s in sorted(self.in_flight)) or "the last checkpoint"
+            said = f" ({waited:.0f} s so far)" if waited else ""
+            logger.info(f"waiting for the upload of {steps} to {self.url} to finish{said}")
+            self._last.join(SAY_WAITING_S)
         failure, self.failure = self.failure, None  # said once, however often the job's end is reached
         return failure
 
