@@ -138,6 +138,14 @@ class Spikes:
 
 
 @dataclass
+class Norms:
+    """`[norms]`: per-layer weight, gradient and update norms in TensorBoard (mhar_titan/components/param_norms.py)."""
+
+    freq: int = 50
+    """At step 1 and every this many steps (0: none); each such step reads its norms back once, after its update."""
+
+
+@dataclass
 class Watchdog:
     """`[watchdog]`: a job that makes no progress is ended as hung (exit 124) with every rank's stacks written to
     <dump_folder>/hangs (mhar_titan/components/watchdog.py), instead of holding its allocation to the time limit."""
@@ -178,6 +186,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     validation: Validation = field(default_factory=Validation)
     spikes: Spikes = field(default_factory=Spikes)
+    norms: Norms = field(default_factory=Norms)
     watchdog: Watchdog = field(default_factory=Watchdog)
     alerts: Alerts = field(default_factory=Alerts)
 

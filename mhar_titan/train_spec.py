@@ -23,6 +23,7 @@ from mhar_titan.components.hooks import Hook
 from mhar_titan.components.loss import build_loss_fn
 from mhar_titan.components.lr_schedule import build_lr_schedulers
 from mhar_titan.components.optimizer import build_optimizers
+from mhar_titan.components.param_norms import ParameterNorms
 from mhar_titan.components.preemption import Preemption
 from mhar_titan.components.routing_stats import RoutingStatistics
 from mhar_titan.components.run_folder import RunFolder, RunFolderLock
@@ -88,6 +89,7 @@ def build_hooks(job_config: JobConfig) -> list[Hook]:
         *clock,  # after the stops: a stop's checkpoint comes first
         RunFolder(),
         RoutingStatistics(job_config.mhar),
+        ParameterNorms(job_config.norms.freq),
         Validation(ema),
         StepLog(),
         TimeShares(),

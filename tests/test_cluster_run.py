@@ -5,6 +5,7 @@ retention at the last step, a disk too small, and train_cpt.py without torchrun.
 end: tests/test_data_mixture.py.)"""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -21,7 +22,8 @@ from conftest import REPO, process_tree, torchrun
 from s3_server import SERVERS, s3_server
 
 from mhar_titan.components.lr_schedule import lr_factor
-from mhar_titan.components.tensorboard_scalars import read_scalars
+from mhar_titan.components.param_norms import norm_groups
+from mhar_titan.components.tensorboard_scalars import norm_tag, read_scalars
 from mhar_titan.hf.run import load_run_checkpoint
 
 STEPS = ("--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2", "--validation.no-enable")
@@ -42,7 +44,7 @@ def base(tmp_path_factory) -> tuple[Path, Path]:
     shutil.copytree(REPO / "assets" / "tiny" / "corpus", corpus / "docstrings")
     shutil.copytree(REPO / "assets" / "tiny" / "code", corpus / "code")
     run = root / "run"
-    torchrun(run, "--training.steps", "7", *STEPS, *SCHEDULE, *mixture(corpus))
+    torchrun(run, "--training.steps", "7", *STEPS, *SCHEDULE, *mixture(corpus), "--norms.freq", "2")
     return run, corpus
 
 
@@ -71,6 +73,24 @@ def files(run: Path) -> dict[Path, tuple[bool, int]]:
 def test_the_last_steps_save_applies_retention(base):
     run, _ = base
     assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-6", "step-7"]  # step 4 purged at 7
+
+
+def test_per_layer_norms_on_two_ranks_are_those_of_the_whole_model(base):
+    """The norms summed over FSDP's shards of 2 ranks: the step-6 checkpoint's weights, group by group (float32 in
+    TensorBoard: 1e-6), at step 1 and every 2 steps; the gradient and update norms there too."""
+    run, _ = base
+    model = load_run_checkpoint(str(run), 6)
+    groups = norm_groups(model)
+    squares: dict[str, float] = {}
+    for p in model.parameters():
+        squares[groups[id(p)]] = squares.get(groups[id(p)], 0.0) + float(p.detach().double().square().sum())
+    assert {"embedding", "layer00", "final_norm", "output"} <= set(squares)
+    for group, square in squares.items():
+        logged = read_scalars(run, norm_tag("weight", group))
+        assert sorted(logged) == [1, 2, 4, 6] and logged[6] == pytest.approx(math.sqrt(square), rel=1e-6), group
+        assert all(v > 0 for v in read_scalars(run, norm_tag("grad", group)).values()), group
+        updates = read_scalars(run, norm_tag("update", group))
+        assert updates[1] == 0.0 and all(updates[s] > 0 for s in (2, 4, 6)), group  # the warmup's LR at step 1: 0
 
 
 @pytest.mark.parametrize("server", SERVERS)

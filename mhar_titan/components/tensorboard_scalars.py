@@ -32,6 +32,15 @@ ROUTING_SITE_TAG = re.compile(r"^mhar_(?P<site>[a-z]+)_(?P<stat>\w+)/layer(?P<la
 OLD_ROUTING_SITE_TAG = re.compile(r"^mhar/(?P<stat>\w+)/layer(?P<layer>\d+)_(?P<site>[a-z]+)$")  # before issue 23
 
 
+# Per-layer norms (components/param_norms.py): one chart group a kind, one chart a layer or named part.
+NORM_TAG = re.compile(r"^norms_(?P<kind>weight|grad|update)/(?P<group>\w+)$")
+
+
+def norm_tag(kind: str, group: str) -> str:
+    """The tag of a group's norm: `norms_weight/layer07`, `norms_update/output`."""
+    return f"norms_{kind}/{group}"
+
+
 def weight_stat(source: str) -> str:
     """The statistic of a source's mean routing weight: `w_null`, `w_embed`, `w_d03`."""
     return f"w_{source}"
