@@ -452,3 +452,33 @@ def test_the_report_draws_the_stage_boundaries_with_the_lr_schedule(tmp_path):
         write_run(tmp_path / arm, {"train/loss": {s: 3.0 for s in steps}, **schedule(steps)})
     assert compare(tmp_path)["stages"] is None
     assert "One mixture stage" in (tmp_path / "compare" / "report.md").read_text()
+
+
+def test_per_layer_norms_are_set_side_by_side_and_the_largest_differences_named(tmp_path):
+    """Both arms' norms by layer (exact in float32), the MHAR arm's routing groups on their own; the output layer's
+    weight norm growing 10% faster in the MHAR arm is the largest difference, at the last step."""
+    steps = range(1, 11)
+    shared = {"train/loss": {s: 2.0 for s in steps}, **schedule(steps)}
+    control, mhar = dict(shared), dict(shared)
+    for kind, base in (("weight", 64.0), ("grad", 2.0), ("update", 0.5)):
+        for group in ("embedding", "layer00", "layer01", "final_norm", "output"):
+            control[f"norms_{kind}/{group}"] = {s: base for s in (1, 5, 10)}
+            mhar[f"norms_{kind}/{group}"] = {s: base for s in (1, 5, 10)}
+        mhar[f"norms_{kind}/routing01"] = {s: base / 8 for s in (1, 5, 10)}
+    control["norms_weight/output"] = {1: 64.0, 5: 80.0, 10: 96.0}
+    mhar["norms_weight/output"] = {1: 64.0, 5: 88.0, 10: 105.6}
+    write_run(tmp_path / "control", control)
+    write_run(tmp_path / "mhar", mhar)
+    result = compare(tmp_path)
+    norms = result["norms"]
+    assert norms["steps"] == [1, 5, 10] and norms["last"] == 10 and norms["mhar_only"] == ["routing01"]
+    first = norms["largest"][0]
+    assert (first["kind"], first["group"], first["step"]) == ("weight", "output", 5)  # 88 / 80: +10%, as 105.6 / 96
+    assert first["relative"] == pytest.approx(0.1, rel=1e-6) and norms["largest"][1]["relative"] == pytest.approx(0.1)
+    assert norms["at_last"]["weight"]["output"] == {"control": 96.0, "mhar": f32(105.6)}
+    delta = load_scalars(tmp_path / "delta")
+    assert delta["delta_norms_weight/output"][10] == pytest.approx(0.1, rel=1e-6)
+    assert delta["delta_norms_grad/layer01"] == {1: 0.0, 5: 0.0, 10: 0.0}
+    text = (tmp_path / "compare" / "report.md").read_text()
+    assert "## Per-layer norms" in text and "| weight | output | 5 | 80 | 88 | +10.00% |" in text
+    assert "![per-layer norms](norms.png)" in text and (tmp_path / "compare" / "norms.png").is_file()

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from torch.utils.tensorboard import SummaryWriter
 
-from mhar_titan.compare import report, routing, schedule
+from mhar_titan.compare import norms, report, routing, schedule
 from mhar_titan.compare import validation as cval
 from mhar_titan.compare.report import CHECKED
 from mhar_titan.compare.stats import batch_noise, divergence, median_after_warmup
@@ -198,6 +198,7 @@ def _delta_series(
             s: ms[CE_TAG][s] - cs[CE_TAG][s] for s in steps if s in cs[CE_TAG] and s in ms[CE_TAG]
         }
     series.update(_val_delta_series(val, changes))
+    series.update(norms.delta_series(cs, ms))
     return series
 
 
@@ -241,6 +242,8 @@ def compare(
     routing_log, routing_plots = _write_routing_and_deltas(out, delta_dir, ms, m_run, delta_series)
     stages = schedule.summary(cs, ms, c_run)
     schedule_plot = schedule.plot(out, cs, ms, stages)
+    layer_norms = norms.summary(cs, ms)
+    norms_plot = norms.plot(out, layer_norms, control, mhar)
 
     result: dict[str, Any] = {
         "pair": str(pair),
@@ -263,13 +266,14 @@ def compare(
         "routing": routing.summary(routing_log) if routing_log is not None else None,
         "stages": stages,
         "schedule_drawn": schedule_plot is not None,
+        "norms": layer_norms,
         "spikes": {
             arm: {"scored": "spikes/loss_count" in s, **spikes.summary(str(run))}
             for arm, run, s in (("control", c_run, cs), ("mhar", m_run, ms))
         },
         "endings": {arm: read_endings(str(run)) for arm, run in (("control", c_run), ("mhar", m_run))},
     }
-    plots = [*routing_plots, *([schedule_plot] if schedule_plot else [])]
+    plots = [*routing_plots, *([schedule_plot] if schedule_plot else []), *([norms_plot] if norms_plot else [])]
     _write_report(result, out, c_loss, m_loss, deltas, plots, control, mhar)
     return result
 
