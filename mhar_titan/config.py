@@ -146,6 +146,17 @@ class Norms:
 
 
 @dataclass
+class Stragglers:
+    """`[stragglers]`: each rank's time at every log step; a rank much slower than the others warned once
+    (mhar_titan/components/rank_timing.py)."""
+
+    share: float = 0.1
+    """A rank whose data + compute time a step is above the median of the ranks by more than this share straggles."""
+    windows: int = 3
+    """Warned (once, with its host) after straggling in this many log windows in a row."""
+
+
+@dataclass
 class Watchdog:
     """`[watchdog]`: a job that makes no progress is ended as hung (exit 124) with every rank's stacks written to
     <dump_folder>/hangs (mhar_titan/components/watchdog.py), instead of holding its allocation to the time limit."""
@@ -187,6 +198,7 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     spikes: Spikes = field(default_factory=Spikes)
     norms: Norms = field(default_factory=Norms)
+    stragglers: Stragglers = field(default_factory=Stragglers)
     watchdog: Watchdog = field(default_factory=Watchdog)
     alerts: Alerts = field(default_factory=Alerts)
 

@@ -25,6 +25,7 @@ from mhar_titan.components.lr_schedule import build_lr_schedulers
 from mhar_titan.components.optimizer import build_optimizers
 from mhar_titan.components.param_norms import ParameterNorms
 from mhar_titan.components.preemption import Preemption
+from mhar_titan.components.rank_timing import RankTiming
 from mhar_titan.components.routing_stats import RoutingStatistics
 from mhar_titan.components.run_folder import RunFolder, RunFolderLock
 from mhar_titan.components.run_spikes import RunSpikes
@@ -93,6 +94,7 @@ def build_hooks(job_config: JobConfig) -> list[Hook]:
         Validation(ema),
         StepLog(),
         TimeShares(),
+        RankTiming(job_config.stragglers.share, job_config.stragglers.windows),
         *alerts,  # after the spikes it reports
     ]
     if fault := testing.resume_fault():
@@ -101,4 +103,6 @@ def build_hooks(job_config: JobConfig) -> list[Hook]:
         hooks.append(testing.Hang(hangs))
     if crashes := testing.crashes():
         hooks.append(testing.Crash(crashes))
+    if slow := testing.slow_rank():
+        hooks.append(testing.SlowRank(*slow))
     return hooks

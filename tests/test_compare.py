@@ -144,7 +144,7 @@ def test_quarters_and_throughput(pair):
     for q, part in zip(r["quarters"], np.split(d, 4), strict=True):
         assert q["mean_abs_delta"] == pytest.approx(np.abs(part).mean(), rel=1e-12)
         assert q["ratio"] == pytest.approx(np.abs(part).mean() / r["noise"], rel=1e-12)
-    assert r["tokens_per_s"] == {"control": 10000.0, "mhar": 9000.0, "ratio": 0.9}
+    assert r["tokens_per_s"] == {"control": 10000.0, "mhar": 9000.0, "ratio": 0.9, "stragglers": None}  # not timed
 
 
 def test_validation_paired_ci(pair):
@@ -482,3 +482,29 @@ def test_per_layer_norms_are_set_side_by_side_and_the_largest_differences_named(
     text = (tmp_path / "compare" / "report.md").read_text()
     assert "## Per-layer norms" in text and "| weight | output | 5 | 80 | 88 | +10.00% |" in text
     assert "![per-layer norms](norms.png)" in text and (tmp_path / "compare" / "norms.png").is_file()
+
+
+def test_the_speed_ratio_is_also_given_over_the_windows_where_neither_arm_had_a_straggler(tmp_path):
+    """The MHAR arm's rank 3 straggled in steps 31-40 at half speed: the plain ratio carries it, the clean one not."""
+    steps = range(1, 61)
+    shared = {"train/loss": {s: 2.0 for s in steps}, **schedule(steps)}
+    straggling = {s: float(31 <= s <= 40) for s in steps}
+    control = {**shared, "tokens_per_s": {s: 1000.0 for s in steps}, "ranks/straggling": dict.fromkeys(steps, 0.0)}
+    mhar = {
+        **shared,
+        "tokens_per_s": {s: 480.0 if straggling[s] else 960.0 for s in steps},
+        "ranks/straggling": straggling,
+        "ranks/stragglers_warned": {s: float(s >= 32) for s in steps},
+    }
+    write_run(tmp_path / "control", control)
+    write_run(tmp_path / "mhar", mhar)
+    tps = compare(tmp_path)["tokens_per_s"]
+    assert tps["clean"] == {"windows": 50, "control": 1000.0, "mhar": 960.0, "ratio": 0.96}
+    assert tps["stragglers"] == {
+        "control": {"windows": 0, "of": 60, "warned": 0},
+        "mhar": {"windows": 10, "of": 60, "warned": 1},
+    }
+    text = (tmp_path / "compare" / "report.md").read_text()
+    assert "| the same over the 50 log windows where neither arm had a straggling rank | 1,000 | 960 | 0.9600 |" in text
+    assert "- mhar: a rank straggled (above the median by more than `[stragglers] share`) in 10 of its 60" in text
+    assert "- control: no straggling rank in its 60 log windows." in text

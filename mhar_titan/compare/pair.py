@@ -152,12 +152,35 @@ def _recipe_check(c_run: Path, m_run: Path) -> dict[str, Any]:
     return {"identical": not diffs, "differences": lines}
 
 
-def _tokens_per_s(cs: dict[str, Series], ms: dict[str, Series]) -> dict[str, float | None]:
-    tps = {
+STRAGGLING_TAG, WARNED_TAG = "ranks/straggling", "ranks/stragglers_warned"
+
+
+def _tokens_per_s(cs: dict[str, Series], ms: dict[str, Series]) -> dict[str, Any]:
+    """Each arm's median tokens/s and their ratio; each arm's log windows with a rank slower than the others
+    (components/rank_timing.py), and the ratio again over the windows where neither arm had one."""
+    tps: dict[str, Any] = {
         "control": median_after_warmup(cs.get("tokens_per_s")),
         "mhar": median_after_warmup(ms.get("tokens_per_s")),
     }
     tps["ratio"] = tps["mhar"] / tps["control"] if tps["control"] and tps["mhar"] is not None else None
+    timed = STRAGGLING_TAG in cs and STRAGGLING_TAG in ms
+    tps["stragglers"] = {
+        arm: {
+            "windows": sum(1 for v in s.get(STRAGGLING_TAG, {}).values() if v),
+            "of": len(s.get(STRAGGLING_TAG, {})),
+            "warned": int(max(s.get(WARNED_TAG, {0: 0.0}).values())),
+        }
+        for arm, s in (("control", cs), ("mhar", ms))
+    } if timed else None  # fmt: skip
+    if timed:
+        clean = {
+            step for step in set(cs[STRAGGLING_TAG]) & set(ms[STRAGGLING_TAG])
+            if not cs[STRAGGLING_TAG][step] and not ms[STRAGGLING_TAG][step]
+        }  # fmt: skip
+        c_clean = {k: v for k, v in cs.get("tokens_per_s", {}).items() if k in clean}
+        m_clean = {k: v for k, v in ms.get("tokens_per_s", {}).items() if k in clean}
+        c, m = median_after_warmup(c_clean), median_after_warmup(m_clean)
+        tps["clean"] = {"windows": len(clean), "control": c, "mhar": m, "ratio": m / c if c and m is not None else None}
     return tps
 
 

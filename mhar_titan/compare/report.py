@@ -254,15 +254,33 @@ def ending_lines(e: dict[str, list[dict[str, Any]]] | None, control: str, mhar: 
 
 
 def _throughput_lines(t: dict[str, Any], control: str, mhar: str) -> list[str]:
-    return [
+    lines = [
         "## Throughput",
         "",
         f"| | {control} | {mhar} | {mhar}/{control} |",
         "|---|---:|---:|---:|",
         f"| tokens/s per device (median after the first {WARMUP_LOGS} log steps) | {_f(t['control'], ',.0f')} | "
         f"{_f(t['mhar'], ',.0f')} | {_f(t['ratio'], '.4f')} |",
-        "",
     ]
+    clean, stragglers = t.get("clean"), t.get("stragglers")
+    if clean is not None:
+        lines.append(
+            f"| the same over the {clean['windows']} log windows where neither arm had a straggling rank | "
+            f"{_f(clean['control'], ',.0f')} | {_f(clean['mhar'], ',.0f')} | {_f(clean['ratio'], '.4f')} |"
+        )
+    lines.append("")
+    if stragglers is None:
+        return [*lines, "The arms logged no per-rank times (`ranks/...`): stragglers unknown.", ""]
+    for arm, name in (("control", control), ("mhar", mhar)):
+        s = stragglers[arm]
+        said = (
+            f"a rank straggled (above the median by more than `[stragglers] share`) in {s['windows']} of its "
+            f"{s['of']} log windows; {s['warned']} warned as stragglers"
+            if s["windows"]
+            else f"no straggling rank in its {s['of']} log windows"
+        )
+        lines.append(f"- {name}: {said}.")
+    return [*lines, ""]
 
 
 def _consistency_lines(r: dict[str, Any], control: str, mhar: str) -> list[str]:

@@ -21,6 +21,8 @@ key or command-line flag reaches them, and with the variables unset nothing here
 - MHAR_TEST_CRASH=<step>:<once|always>[,...]: rank 1 raises an error after that step; `once` only where the run
   folder has no crash record of that step and rank yet (so a restarted job gets past it). For the restarts' tests
   (components/endings.py) and the soak (chaos/soak.py).
+- MHAR_TEST_SLOW_RANK=<rank>:<seconds>: that rank sleeps before every block's forward, as a slow GPU computes: for
+  the straggler warning's test (components/rank_timing.py).
 
 The hang and the crash take a comma-separated list, each entry at its own step.
 """
@@ -52,6 +54,7 @@ FAULTS = {
 FAIL_UPLOAD_ENV = "MHAR_TEST_FAIL_UPLOAD"  # `STEP:RANK` makes that rank's upload of that step fail
 HANG_ENV = "MHAR_TEST_HANG"
 CRASH_ENV = "MHAR_TEST_CRASH"
+SLOW_RANK_ENV = "MHAR_TEST_SLOW_RANK"
 HANG_SITES = ("collective", "loader", "save", "validation")
 
 
@@ -324,3 +327,38 @@ class Crash(Hook):
             os.path.join(self.crashes, f"step-{step.number}-rank-1.json")
         ):
             raise RuntimeError(f"TEST CRASH ({CRASH_ENV}) after step {step.number}")
+
+
+# -- MHAR_TEST_SLOW_RANK ---------------------------------------------------------------------------------------------
+
+
+def slow_rank() -> tuple[int, float] | None:
+    """(rank, seconds) of MHAR_TEST_SLOW_RANK=<rank>:<seconds>, or None where unset; a bad value is an error."""
+    value = os.environ.get(SLOW_RANK_ENV, "").strip()
+    if not value:
+        return None
+    rank, _, seconds = value.partition(":")
+    try:
+        parsed = int(rank), float(seconds)
+    except ValueError:
+        parsed = (-1, -1.0)
+    if parsed[0] < 0 or not parsed[1] > 0:
+        raise ValueError(f"{SLOW_RANK_ENV}={value!r}: <rank>:<seconds>, e.g. 1:0.02")
+    return parsed
+
+
+class SlowRank(Hook):
+    """That rank's every block forward made slower by a sleep, as a slow GPU would be (after the timing's own hooks:
+    train_spec.build_hooks adds it last)."""
+
+    name = "test_slow_rank"
+
+    def __init__(self, rank: int, seconds: float):
+        self.rank, self.seconds = rank, seconds
+
+    def set_up(self, trainer: Any) -> None:
+        if _rank() != self.rank:
+            return
+        model = trainer.model_parts[0]
+        for layer in model.layers.values():
+            layer.register_forward_pre_hook(lambda *_: time.sleep(self.seconds))
