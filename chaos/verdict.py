@@ -20,7 +20,7 @@ from chaos.schedule import ENDS_AS, EXTERNAL, RESTARTED, Fault
 from mhar_titan.components.tensorboard_scalars import event_files, load_scalars
 
 # Tags that measure the machine and the clock, not the computation: the rest must repeat bit for bit.
-MEASURED = ("time/", "memory/", "job/", "tokens_per_s", "mfu")
+MEASURED = ("time/", "memory/", "job/", "tokens_per_s", "mfu", "ranks")  # ranks/, ranks_<measure>/: per-rank times
 # After a run's last progress, what may pass before its end on top of the watchdog's timeout: the watchdog's poll
 # (1 s), its stacks, torchrun stopping the other ranks (its own grace is 30 s) and the launcher's decision.
 HANG_GRACE_S = 35.0

@@ -17,6 +17,7 @@ from mhar_titan.components.alerts import Alerts
 from mhar_titan.components.bad_steps import BadSteps
 from mhar_titan.components.checkpoint import testing
 from mhar_titan.components.clock_checkpoints import ClockCheckpoints
+from mhar_titan.components.compute_clock import ComputeClock
 from mhar_titan.components.data_progress import DataProgress
 from mhar_titan.components.ema import EMA
 from mhar_titan.components.hooks import Hook
@@ -94,6 +95,7 @@ def build_hooks(job_config: JobConfig) -> list[Hook]:
         Validation(ema),
         StepLog(),
         TimeShares(),
+        ComputeClock(),
         RankTiming(job_config.stragglers.share, job_config.stragglers.windows),
         *alerts,  # after the spikes it reports
     ]

@@ -508,3 +508,32 @@ def test_the_speed_ratio_is_also_given_over_the_windows_where_neither_arm_had_a_
     assert "| the same over the 50 log windows where neither arm had a straggling rank | 1,000 | 960 | 0.9600 |" in text
     assert "- mhar: a rank straggled (above the median by more than `[stragglers] share`) in 10 of its 60" in text
     assert "- control: no straggling rank in its 60 log windows." in text
+
+
+def test_the_arms_are_also_compared_at_equal_gpu_hours(tmp_path):
+    """The MHAR arm at twice the control's GPU-hours a step: at equal compute it has made half the steps."""
+    steps = range(1, 101)
+    shared = schedule(steps)
+    control = {**shared, "train/loss": {s: 3.0 for s in steps}, "time/gpu_hours": {s: 0.01 * s for s in steps}}
+    mhar = {
+        **shared,
+        "train/loss": {s: 2.0 if s <= 50 else 1.0 for s in steps},
+        "time/gpu_hours": {s: 0.02 * s for s in steps},
+    }
+    control["val/ce"] = {s: 2.0 - 0.002 * s for s in (0, 50, 100)}
+    mhar["val/ce"] = {s: 2.0 - 0.002 * s - (0.01 if s else 0.0) for s in (0, 50, 100)}
+    write_run(tmp_path / "control", control)
+    write_run(tmp_path / "mhar", mhar)
+    result = compare(tmp_path)["equal_compute"]
+    assert result["hours"]["ratio"] == pytest.approx(2.0, rel=1e-6)
+    quarters = result["quarters"]
+    assert [q["control_steps"] for q in quarters] == [(1, 25), (26, 50), (51, 75), (76, 100)]
+    assert [q["mhar_steps"] for q in quarters] == [(1, 12), (13, 25), (26, 37), (38, 50)]  # its first 50 steps
+    assert all(q["delta"] == -1.0 for q in quarters)  # 2.0 against 3.0: the MHAR arm's later 1.0 is not reached
+    val = {v["step"]: v for v in result["val"] if v["kind"] == "raw"}
+    assert sorted(val) == [0, 50, 100] and val[0]["delta"] == 0.0
+    # step 50 of the control is 0.5 GPU-hours: the MHAR arm's step 25, halfway between its validations at 0 and 50
+    assert val[50]["mhar"] == pytest.approx((2.0 + 1.89) / 2, rel=1e-6) and val[50]["delta"] == pytest.approx(0.045)
+    assert val[100]["mhar"] == pytest.approx(1.89, rel=1e-6) and val[100]["delta"] == pytest.approx(0.09)
+    text = (tmp_path / "compare" / "report.md").read_text()
+    assert "## At equal compute" in text and "| 0.76-1 | 76-100 | 3.0000 | 38-50 | 2.0000 | -1.000e+00 |" in text

@@ -47,5 +47,7 @@ def test_a_slow_rank_is_named_at_every_log_step_and_warned_once_as_a_straggler(t
     slow, fast = read_scalars(run, rank_tag("compute_s", 1)), read_scalars(run, rank_tag("compute_s", 0))
     layers = 4  # configs/tiny_cpu.toml's model, one microbatch a step
     assert all(slow[s] >= layers * SLEEP_S and slow[s] > fast[s] for s in slow)  # its sleeps are in its time
+    hours = read_scalars(run, "time/gpu_hours")  # components/compute_clock.py, in the same run
+    assert sorted(hours) == list(range(1, STEPS + 1)) and all(hours[s] < hours[s + 1] for s in range(1, STEPS))
     for measure in MEASURES:
         assert set(read_scalars(run, rank_tag(measure, 0))) == set(range(1, STEPS + 1))

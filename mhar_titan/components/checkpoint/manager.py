@@ -69,7 +69,7 @@ class DamagedCheckpoint(ValueError):
 
 # Entries added to the trainer's state after runs had been checkpointed without them: a checkpoint that lacks one
 # loads, and the entry keeps the state the job started with (the log says so).
-OPTIONAL_ENTRIES = ("train_state.spikes",)
+OPTIONAL_ENTRIES = ("train_state.spikes", "train_state.compute_gpu_seconds")
 
 
 class DataOnlyLoadPlanner(DefaultLoadPlanner):
