@@ -15,6 +15,7 @@ from mhar_titan.compare.pair import compare, main
 from mhar_titan.compare.stats import paired_ci, t_quantile
 from mhar_titan.components import fingerprint
 from mhar_titan.components.tensorboard_scalars import event_files, load_scalars, read_scalars
+from mhar_titan.components.val_bands import BANDS
 from mhar_titan.config import parse_config
 
 N, SIGMA = 2000, 0.02
@@ -537,3 +538,39 @@ def test_the_arms_are_also_compared_at_equal_gpu_hours(tmp_path):
     assert val[100]["mhar"] == pytest.approx(1.89, rel=1e-6) and val[100]["delta"] == pytest.approx(0.09)
     text = (tmp_path / "compare" / "report.md").read_text()
     assert "## At equal compute" in text and "| 0.76-1 | 76-100 | 3.0000 | 38-50 | 2.0000 | -1.000e+00 |" in text
+
+
+def test_where_mhar_helps_is_told_by_band_with_a_paired_ci_over_the_same_batches(tmp_path):
+    """Early tokens 0.05 lower in every batch: resolved; the next band +-0.01 by turns: within noise; empty bands
+    left out."""
+    tokens = [100, 120, 90, 110, 100, 95, 105, 115]
+    base = [2.0 * t for t in tokens]
+
+    def record(early: list[float], later: list[float]) -> dict:
+        bands = {kind: {b: {"ce_sum": [0.0] * 8, "tokens": [0] * 8} for b in names} for kind, names in BANDS.items()}
+        bands["position"]["0-63"] = {"ce_sum": early, "tokens": tokens}
+        bands["position"]["64-255"] = {"ce_sum": later, "tokens": tokens}
+        bands["doc_length"]["cut"] = {
+            "ce_sum": [a + b for a, b in zip(early, later, strict=True)],
+            "tokens": [2 * t for t in tokens],
+        }
+        entry = {"ce_sum": [a + b for a, b in zip(early, later, strict=True)], "tokens": [2 * t for t in tokens]}
+        return {"sets": {"val": {"raw": {**entry, "bands": bands}}}, "raw": entry}
+
+    steps = range(1, 11)
+    for arm, early, later in (
+        ("control", base, base),
+        ("mhar", [b - 0.05 * t for b, t in zip(base, tokens, strict=True)],
+         [b + (0.01 if i % 2 else -0.01) * t for i, (b, t) in enumerate(zip(base, tokens, strict=True))]),
+    ):  # fmt: skip
+        write_run(tmp_path / arm, {"train/loss": {s: 2.0 for s in steps}, **schedule(steps)})
+        write_val(tmp_path / arm, 10, **record(early, later))
+    result = compare(tmp_path)["bands"]
+    assert result["step"] == 10
+    rows = {r["band"]: r for r in result["sets"]["val"]["position"]}
+    assert sorted(rows) == ["0-63", "64-255"] and rows["0-63"]["tokens"] == sum(tokens)
+    assert rows["0-63"]["delta"] == pytest.approx(-0.05) and rows["0-63"]["ci"]["high"] < 0
+    assert rows["64-255"]["ci"]["low"] < 0 < rows["64-255"]["ci"]["high"]
+    text = (tmp_path / "compare" / "report.md").read_text()
+    assert "## Where MHAR helps" in text and "| 0-63 | 835 | -5.000e-02 |" in text and "| MHAR lower |" in text
+    assert "within noise |" in text

@@ -52,6 +52,17 @@ def test_pair_from_an_hf_base_starts_identical_and_the_report_says_so(tmp_path):
         assert [row["step"] for row in vset["rows"]] == [0, 2, 4]
         assert vset["rows"][0]["raw"]["delta"]["delta"] == 0.0  # step 0: the same base on the same batches
     assert "## Validation sets" in report and "### `code` (`val/code/ce`, `val/code/ce_ema`)" in report
+    # where MHAR helps: every set's batches by band, from the same passes; each valid token in one band of each kind
+    assert result["bands"]["step"] == 4 and sorted(result["bands"]["sets"]) == ["code", "docstrings"]
+    record = json.loads((pair / "mhar" / "validation" / "step-00000004.json").read_text())
+    for entry in (e[kind] for e in record["sets"].values() for kind in ("raw", "ema")):
+        for kind in ("position", "doc_length"):
+            per_band = entry["bands"][kind].values()
+            assert [sum(b["tokens"][i] for b in per_band) for i in range(len(entry["tokens"]))] == entry["tokens"]
+            ce = [sum(b["ce_sum"][i] for b in per_band) for i in range(len(entry["tokens"]))]
+            assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(ce, entry["ce_sum"], strict=True))
+    assert "## Where MHAR helps" in report and "## At equal compute" in report and "## Per-layer norms" in report
+    assert "- control: " in report.split("## Throughput")[1]  # whether a rank straggled, per arm
     # the MHAR arm's routing, from the statistics it logged at steps 1, 2 and 4: a section with its PNGs, and the
     # same pictures as images in the delta run; the control logged none
     assert result["routing"]["steps"] == [1, 2, 4] and result["routing"]["layers"] == 4

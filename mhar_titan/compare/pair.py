@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from torch.utils.tensorboard import SummaryWriter
 
-from mhar_titan.compare import compute, norms, report, routing, schedule
+from mhar_titan.compare import bands, compute, norms, report, routing, schedule
 from mhar_titan.compare import validation as cval
 from mhar_titan.compare.report import CHECKED
 from mhar_titan.compare.stats import batch_noise, divergence, median_after_warmup
@@ -291,6 +291,7 @@ def compare(
         "schedule_drawn": schedule_plot is not None,
         "norms": layer_norms,
         "equal_compute": compute.summary(cs, ms),
+        "bands": bands.summary(cv, mv),
         "spikes": {
             arm: {"scored": "spikes/loss_count" in s, **spikes.summary(str(run))}
             for arm, run, s in (("control", c_run, cs), ("mhar", m_run, ms))

@@ -11,7 +11,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from mhar_titan.compare import compute, norms, routing, schedule
+from mhar_titan.compare import bands, compute, norms, routing, schedule
 from mhar_titan.compare import validation as cval
 from mhar_titan.compare.stats import WARMUP_LOGS
 from mhar_titan.components.endings import RESTARTED
@@ -144,6 +144,7 @@ def report_text(r: dict[str, Any], control: str, mhar: str) -> str:
     if "equal_compute" in r:
         lines += compute.report_lines(r["equal_compute"], control, mhar)
     lines += cval.named_set_lines(r.get("validation_sets", []), control, mhar)
+    lines += bands.report_lines(r.get("bands"), control, mhar)
     lines += routing.report_lines(r.get("routing"), mhar, r["delta_dir"])
     lines += schedule.report_lines(r.get("stages"), r.get("schedule_drawn", False))
     lines += norms.report_lines(r.get("norms"), control, mhar)

@@ -37,6 +37,7 @@ from mhar_titan.components.hooks import Hook, Scalar, Step, reduce_scalars
 from mhar_titan.components.loss import cross_entropy_sum
 from mhar_titan.components.step_metrics import flush, log_scalars
 from mhar_titan.components.tensorboard_scalars import PRIMARY_TAGS, set_tags
+from mhar_titan.components.val_bands import band_sums, split
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -61,6 +62,7 @@ class FixedSetValidator:
         self.context, self.amp = validation_context, maybe_enable_amp
         self._batches: dict[str, list[Batch]] = {}
         self.per_batch: dict[str, list[list[float]]] = {}
+        self.per_band: dict[str, list[list[list[float]]]] = {}  # per set, every batch's [2, bands] (val_bands.py)
 
     @property
     def names(self) -> list[str]:
@@ -110,22 +112,31 @@ class FixedSetValidator:
         device = next(model.parameters()).device
         out = {}
         for loader in self.loaders:
-            rows = []
+            rows, bands = [], []
             for inputs, labels in self.batches(loader, device):
                 inputs, labels = inputs.to(device), labels.to(device)
                 with self.context(), self.amp:
-                    ce = cross_entropy_sum(model(inputs, **self._masks(model, inputs)), labels)
+                    logits = model(inputs, **self._masks(model, inputs))
+                    ce = cross_entropy_sum(logits, labels)
                 rows.append(torch.stack([ce.double(), (labels != IGNORE_INDEX).sum().double()]))
-            mine = torch.stack(rows)  # [batches, 2]
-            if self._group() is not None:
-                everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group()))]
-                dist.all_gather(everyone, mine, group=self._group())
-                mine = torch.cat(everyone)
+                if self.tokenizer is not None:
+                    bands.append(band_sums(logits, labels, inputs, self.tokenizer.eos_id))
+            mine = self._gather(torch.stack(rows))  # [batches, 2]
             self.per_batch[loader.name] = mine.tolist()
+            if bands:
+                self.per_band[loader.name] = self._gather(torch.stack(bands)).tolist()  # [batches, 2, bands]
             total = mine.sum(0)
             out[loader.name] = (total[0] / total[1]).item()
         model.train(was_training)
         return out
+
+    def _gather(self, mine: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows, rank-major."""
+        if self._group() is None:
+            return mine
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group()))]
+        dist.all_gather(everyone, mine, group=self._group())
+        return torch.cat(everyone)
 
     def _masks(self, model: nn.Module, inputs: torch.Tensor) -> dict[str, Any]:
         """The attention masks the model's attention needs, built as torchtitan's Trainer.post_dataloading_process
@@ -144,28 +155,35 @@ def run_validation(
     (the first set also as val/ce and val/ce_ema); and what writes every batch's CE to a validation folder's
     step-N.json for the paired comparison (rank 0's record, written last: it says the validation is done)."""
     values = {"raw": validator.validate(model_parts, step)}
-    batches = {"raw": dict(validator.per_batch)}
+    batches, bands = {"raw": dict(validator.per_batch)}, {"raw": dict(validator.per_band)}
     if ema is not None:
         with ema.swapped_in():
             values["ema"] = validator.validate(model_parts, step)
-        batches["ema"] = dict(validator.per_batch)
+        batches["ema"], bands["ema"] = dict(validator.per_batch), dict(validator.per_band)
     first = validator.names[0]
     metrics = {PRIMARY_TAGS[kind]: v[first] for kind, v in values.items()}
     for name in validator.names:
         metrics.update({set_tags(name)[kind]: v[name] for kind, v in values.items()})
-    return metrics, lambda folder: write_validation_batches(folder, step, batches, first)
+    return metrics, lambda folder: write_validation_batches(folder, step, batches, first, bands)
 
 
 def write_validation_batches(
-    folder: str, step: int, batches: dict[str, dict[str, list[list[float]]]], first: str
+    folder: str,
+    step: int,
+    batches: dict[str, dict[str, list[list[float]]]],
+    first: str,
+    bands: dict[str, dict[str, list[list[list[float]]]]] | None = None,
 ) -> None:
     """validation/step-N.json, written atomically: {"step", "raw" and "ema": the first set's batches (CE sum,
-    tokens), "sets": {name: {"raw", "ema"}}}, what mhar_titan.compare pairs batch by batch."""
+    tokens), "sets": {name: {"raw", "ema"}}}, what mhar_titan.compare pairs batch by batch; each set's entry also
+    holds its batches by band ("bands": {kind: {band: {"ce_sum", "tokens"}}}, val_bands.py) where measured."""
     os.makedirs(folder, exist_ok=True)
     record: dict[str, Any] = {"step": step, "sets": {}}
     for which, per_set in batches.items():
         for name, rows in per_set.items():
-            entry = {"ce_sum": [r[0] for r in rows], "tokens": [int(r[1]) for r in rows]}
+            entry: dict[str, Any] = {"ce_sum": [r[0] for r in rows], "tokens": [int(r[1]) for r in rows]}
+            if bands and bands.get(which, {}).get(name):
+                entry["bands"] = split(bands[which][name])
             record["sets"].setdefault(name, {})[which] = entry
             if name == first:
                 record[which] = entry
