@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# launch/pair.sh [--slurm] [--dry-run] [--nproc N] NAME CONTROL_CONFIG MHAR_CONFIG [--section.key value ...]
+# launch/pair.sh [--slurm] [--dry-run] [--nproc N] [--replicate SEED|same] NAME CONTROL_CONFIG MHAR_CONFIG [--k v ...]
 # The schedule-matched pair under one name: runs/NAME/control and runs/NAME/mhar, same overrides for both.
 # Default: control then MHAR on this node with launch/torchrun.sh (run it again to resume; exit 75 = preempted).
 # --slurm: submit both with sbatch launch/slurm.sbatch (extra sbatch options in $SBATCH_ARGS, e.g. "--nodes 2").
 #
+# --replicate SEED: a third arm, runs/NAME/replicate, a second control with [data] seed SEED (another data order);
+# --replicate same: with the control's own seed (what GPU nondeterminism alone moves). The comparison sets MHAR's
+# delta against this A/A difference (docs/pair.md, "How sure").
 # NAME: letters, digits, '.', '_', '-'. The overrides must not set --job.dump_folder (the pair sets it).
 # Without --slurm the arms run one after the other; the script stops at the first arm that fails or
 # is preempted and exits with its code. A rerun resumes each arm from its latest checkpoint (a
@@ -17,7 +20,7 @@ me=launch/pair.sh
 usage() { sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 die() { echo "$me: $*" >&2; exit 2; }
 
-slurm=0 dry_run=0 nproc=""
+slurm=0 dry_run=0 nproc="" replicate=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --slurm) slurm=1; shift ;;
@@ -26,6 +29,10 @@ while [[ $# -gt 0 ]]; do
       [[ $# -ge 2 && -n "$2" ]] || die "--nproc needs a value"
       nproc="$2"; shift 2 ;;
     --nproc=*) nproc="${1#*=}"; shift ;;
+    --replicate)
+      [[ $# -ge 2 && -n "$2" ]] || die "--replicate needs a seed or 'same'"
+      replicate="$2"; shift 2 ;;
+    --replicate=*) replicate="${1#*=}"; shift ;;
     -h|--help) usage 0 ;;
     --) shift; break ;;
     -*) die "unknown option: $1" ;;
@@ -40,6 +47,8 @@ cd "$(dirname "$0")/.."  # the repo root: configs and runs/ are relative to it
   || die "bad NAME '$name': use letters, digits, '.', '_' and '-'"
 [[ -f "$control" ]] || die "control config not found: $control"
 [[ -f "$mhar" ]] || die "MHAR config not found: $mhar"
+[[ -z "$replicate" || "$replicate" == same || "$replicate" =~ ^[0-9]+$ ]] \
+  || die "--replicate takes a data-order seed (a non-negative integer) or 'same', got '$replicate'"
 if [[ -n "$nproc" ]]; then
   [[ "$nproc" =~ ^[1-9][0-9]*$ ]] || die "--nproc must be a positive integer, got '$nproc'"
   [[ $slurm -eq 0 ]] || die "--nproc is for local runs; with --slurm pass SBATCH_ARGS='--gpus-per-node N'"
@@ -92,7 +101,8 @@ fi
 
 runs="${RUNS_DIR:-runs}/$name"  # RUNS_DIR: another parent folder (absolute, or relative to the repo root)
 arms=(control mhar)
-declare -A config_of=([control]="$control" [mhar]="$mhar")
+declare -A config_of=([control]="$control" [mhar]="$mhar" [replicate]="$control")
+[[ -z "$replicate" ]] || arms+=(replicate)
 
 cmds=()  # one shell-quoted command per arm
 # W&B (when enabled): project mhar-titan (or $WANDB_PROJECT), the pair's name as the group, one run
@@ -102,6 +112,7 @@ export WANDB_PROJECT="${WANDB_PROJECT:-mhar-titan}" WANDB_RUN_GROUP="$name"
 unset WANDB_RUN_ID WANDB_RUN_NAME  # one per arm, not one for both
 for arm in "${arms[@]}"; do
   arm_overrides "$arm" "$@"
+  if [[ $arm == replicate && $replicate != same ]]; then arm_args+=(--data.seed "$replicate"); fi  # last: it wins
   if [[ $slurm -eq 1 ]]; then
     read -ra sbatch_args <<<"${SBATCH_ARGS:-}"
     cmd=(sbatch --job-name "$name-$arm" ${sbatch_args[@]+"${sbatch_args[@]}"}
@@ -114,7 +125,9 @@ for arm in "${arms[@]}"; do
 done
 
 info() {
-  echo "# runs: $runs/control and $runs/mhar"
+  local again="the control again, data seed $replicate"
+  [[ "$replicate" != same ]] || again="the control again, its own data seed"
+  echo "# runs: $runs/control and $runs/mhar${replicate:+, and $runs/replicate ($again)}"
   [[ -z "$split_folder" ]] || echo "# checkpoints: ${split_folder%/}/control and ${split_folder%/}/mhar (one folder an arm)"
   [[ $slurm -eq 0 ]] || echo "# logs: logs/$name-control-<jobid>.out and logs/$name-mhar-<jobid>.out"
   echo "# TensorBoard: tensorboard --logdir $runs"
@@ -165,5 +178,5 @@ for i in "${!arms[@]}"; do
   fi
 done
 if [[ $slurm -eq 0 ]]; then
-  echo "$me: both arms done; python -m mhar_titan.compare $runs" >&2
+  echo "$me: all ${#arms[@]} arms done; python -m mhar_titan.compare $runs" >&2
 fi

@@ -574,3 +574,48 @@ def test_where_mhar_helps_is_told_by_band_with_a_paired_ci_over_the_same_batches
     text = (tmp_path / "compare" / "report.md").read_text()
     assert "## Where MHAR helps" in text and "| 0-63 | 835 | -5.000e-02 |" in text and "| MHAR lower |" in text
     assert "within noise |" in text
+
+
+@pytest.mark.parametrize("mhar_shift, exceeds", [(-0.02, True), (-0.0005, False)])
+def test_a_replicate_run_sets_mhars_delta_against_the_aa_difference(tmp_path, mhar_shift, exceeds):
+    """The replicate off the control by +-0.001 a batch by turns (an A/A difference within noise): a -0.02 shift of
+    the MHAR arm exceeds it, one of -0.0005 does not."""
+    tokens = [100, 120, 90, 110, 100, 95, 105, 115]
+    base = [2.0 * t for t in tokens]
+    turns = [(0.001 if i % 2 else -0.001) * t for i, t in enumerate(tokens)]
+    ce = {
+        "control": base,
+        "replicate": [b + d for b, d in zip(base, turns, strict=True)],
+        "mhar": [b + mhar_shift * t - 0.5 * d for b, t, d in zip(base, tokens, turns, strict=True)],
+    }
+    steps = range(1, 21)
+    for arm, sums in ce.items():
+        loss = {s: 2.0 + (0.01 if arm == "replicate" else mhar_shift if arm == "mhar" else 0.0) for s in steps}
+        write_run(tmp_path / arm, {"train/loss": loss, **schedule(steps)})
+        write_val(tmp_path / arm, 10, raw={"ce_sum": sums, "tokens": tokens})
+    result = compare(tmp_path)["replicate"]
+    row = result["val"][0]
+    assert row["step"] == 10 and row["raw"]["exceeds"] is exceeds and row["ema"]["exceeds"] is None
+    assert row["raw"]["aa"]["ci"]["low"] < 0 < row["raw"]["aa"]["ci"]["high"]
+    assert row["raw"]["mhar"]["delta"] == pytest.approx(mhar_shift + sum(-0.5 * d for d in turns) / sum(tokens))
+    assert [q["aa"] for q in result["quarters"]] == pytest.approx([0.01] * 4)
+    assert load_scalars(tmp_path / "delta")["aa/train_loss"][20] == pytest.approx(0.01, rel=1e-5)
+    text = (tmp_path / "compare" / "report.md").read_text()
+    verdict = "exceeds the A/A difference" if exceeds else "does not exceed the A/A difference"
+    assert "## How sure: the A/A difference" in text and f"**At step 10, MHAR's validation delta {verdict}.**" in text
+
+
+def test_several_pairs_are_pooled_with_a_ci_over_the_pairs(tmp_path, capsys):
+    """Three pairs whose MHAR arm is 0.010, 0.012 and 0.014 lower at step 10: mean -0.012, a t-interval over 3."""
+    tokens = [100, 120, 90, 110]
+    for i, shift in enumerate((-0.010, -0.012, -0.014)):
+        pair = tmp_path / f"pair-s{i}"
+        for arm, d in (("control", 0.0), ("mhar", shift)):
+            write_run(pair / arm, {"train/loss": {s: 2.0 for s in range(1, 11)}, **schedule(range(1, 11))})
+            write_val(pair / arm, 10, raw={"ce_sum": [(2.0 + d) * t for t in tokens], "tokens": tokens})
+    main([str(tmp_path / f"pair-s{i}") for i in range(3)])
+    text = (tmp_path / "pooled" / "pool.md").read_text()
+    assert "wrote " in capsys.readouterr().out and "# 3 pairs pooled" in text
+    half = 4.302652729911275 * 0.002 / math.sqrt(3)  # t(0.975, 2 df) x sd / sqrt(n)
+    assert f"**raw: mean {-0.012:+.3e}, 95% CI over 3 pairs [{-0.012 - half:+.3e}, {-0.012 + half:+.3e}]" in text
+    assert "MHAR lower" in text

@@ -372,6 +372,29 @@ def test_pair_dry_run_prints_both_arms():
     assert "python -m mhar_titan.compare runs/NAME" in proc.stderr
 
 
+def test_pair_replicate_adds_a_second_control_with_another_data_seed_or_its_own():
+    proc = run(PAIR, "--dry-run", "--replicate", "7", "NAME", CONTROL, MHAR, "--data.seed", "3")
+    lines = [line.split() for line in proc.stdout.strip().splitlines()]
+    assert [line[3] for line in lines] == ["runs/NAME/control", "runs/NAME/mhar", "runs/NAME/replicate"]
+    assert lines[2] == [
+        "launch/torchrun.sh",
+        CONTROL,
+        "--job.dump_folder",
+        "runs/NAME/replicate",
+        "--data.seed",
+        "3",
+        "--data.seed",
+        "7",
+    ]  # fmt: skip  (the last value wins)
+    assert "runs/NAME/replicate (the control again, data seed 7)" in proc.stderr
+    same = run(PAIR, "--dry-run", "--replicate", "same", "NAME", CONTROL, MHAR).stdout.splitlines()
+    assert same[2].split() == ["launch/torchrun.sh", CONTROL, "--job.dump_folder", "runs/NAME/replicate"]
+    slurm = run(PAIR, "--slurm", "--dry-run", "--replicate", "1", "NAME", CONTROL, MHAR).stdout.splitlines()
+    assert [line.split()[2] for line in slurm] == ["NAME-control", "NAME-mhar", "NAME-replicate"]
+    bad = run(PAIR, "--dry-run", "--replicate", "x", "NAME", CONTROL, MHAR, check=False)
+    assert bad.returncode == 2 and "--replicate takes a data-order seed" in bad.stderr
+
+
 def test_wandb_runs_are_one_per_arm_grouped_by_pair_and_resumed():
     def wandb_line(*args, env=None):
         err = run(SCRIPT, "--dry-run", *args, env=env).stderr

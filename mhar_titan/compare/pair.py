@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from torch.utils.tensorboard import SummaryWriter
 
-from mhar_titan.compare import bands, compute, norms, report, routing, schedule
+from mhar_titan.compare import bands, compute, norms, pool, replicate, report, routing, schedule
 from mhar_titan.compare import validation as cval
 from mhar_titan.compare.report import CHECKED
 from mhar_titan.compare.stats import batch_noise, divergence, median_after_warmup
@@ -242,8 +242,8 @@ def compare(
 ) -> dict[str, Any]:
     """Aligns the arms of a pair by step, writes `<pair>/delta/`, report.md and plots; returns the key figures."""
     pair = Path(pair_dir)
-    if DELTA_RUN in (control, mhar):
-        raise ValueError(f"an arm cannot be named {DELTA_RUN!r}: that folder holds the deltas")
+    if {DELTA_RUN, replicate.ARM} & {control, mhar}:
+        raise ValueError(f"an arm cannot be named {DELTA_RUN!r} or {replicate.ARM!r}: the deltas, the A/A run")
     out = Path(out_dir) if out_dir is not None else pair / "compare"
     c_run, cs, cv = _arm(pair, control)
     m_run, ms, mv = _arm(pair, mhar)
@@ -261,6 +261,11 @@ def compare(
     checks["recipe"] = _recipe_check(c_run, m_run)
     tps = _tokens_per_s(cs, ms)
     delta_series = _delta_series(cs, ms, steps, deltas, val, changes)
+    aa = None
+    if (pair / replicate.ARM).is_dir():  # launch/pair.sh --replicate: the A/A run
+        r_run, rs, rv = _arm(pair, replicate.ARM)
+        aa = replicate.summary(c_run, r_run, cs, ms, rs, cv, mv, rv)
+        delta_series.update(replicate.delta_series(rs, cs))
     delta_dir = pair / DELTA_RUN
     routing_log, routing_plots = _write_routing_and_deltas(out, delta_dir, ms, m_run, delta_series)
     stages = schedule.summary(cs, ms, c_run)
@@ -292,6 +297,7 @@ def compare(
         "norms": layer_norms,
         "equal_compute": compute.summary(cs, ms),
         "bands": bands.summary(cv, mv),
+        "replicate": aa,
         "spikes": {
             arm: {"scored": "spikes/loss_count" in s, **spikes.summary(str(run))}
             for arm, run, s in (("control", c_run, cs), ("mhar", m_run, ms))
@@ -326,13 +332,20 @@ def _write_report(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Paired comparison of the control and mhar runs of a pair.")
-    parser.add_argument("pair_dir", help="folder holding the two runs, e.g. runs/<pair>")
-    parser.add_argument("--out", help="report folder (default <pair_dir>/compare)")
+    parser.add_argument("pair_dir", nargs="+", help="folder holding the runs, e.g. runs/<pair>; several: pooled")
+    parser.add_argument("--out", help="report folder (default <pair_dir>/compare; pooled: <parent>/pooled)")
     parser.add_argument("--control", default="control", help="subfolder of the control run")
     parser.add_argument("--mhar", default="mhar", help="subfolder of the MHAR run")
     args = parser.parse_args(argv)
+    several = len(args.pair_dir) > 1
     try:
-        result = compare(args.pair_dir, args.out, args.control, args.mhar)
+        results = [
+            compare(d, None if several else args.out, args.control, args.mhar) for d in args.pair_dir
+        ]  # fmt: skip
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"compare: {e}")
-    print("\n".join(report.summary_lines(result)))
+    for result in results:
+        print("\n".join(report.summary_lines(result)))
+    if several:
+        out = Path(args.out) if args.out else Path(args.pair_dir[0]).resolve().parent / "pooled"
+        print(f"wrote {pool.write(out, pool.pooled(results))}")

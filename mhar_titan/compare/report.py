@@ -11,7 +11,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from mhar_titan.compare import bands, compute, norms, routing, schedule
+from mhar_titan.compare import bands, compute, norms, replicate, routing, schedule
 from mhar_titan.compare import validation as cval
 from mhar_titan.compare.stats import WARMUP_LOGS
 from mhar_titan.components.endings import RESTARTED
@@ -141,6 +141,7 @@ def report_text(r: dict[str, Any], control: str, mhar: str) -> str:
     lines = _intro_lines(r, control, mhar)
     lines += _training_loss_lines(r, control, mhar)
     lines += cval.report_lines(r, control, mhar)
+    lines += replicate.report_lines(r.get("replicate"), control, mhar)
     if "equal_compute" in r:
         lines += compute.report_lines(r["equal_compute"], control, mhar)
     lines += cval.named_set_lines(r.get("validation_sets", []), control, mhar)
