@@ -4,6 +4,8 @@
 # Default: control then MHAR on this node with launch/torchrun.sh (run it again to resume; exit 75 = preempted).
 # --slurm: submit both with sbatch launch/slurm.sbatch (extra sbatch options in $SBATCH_ARGS, e.g. "--nodes 2").
 #
+# --load-step N|common: every arm resumes from its checkpoint of step N (common: the newest step every arm has
+# complete), the way to apply a change to both arms at one step (with --checkpoint.allow_changes) or roll both back.
 # --replicate SEED: a third arm, runs/NAME/replicate, a second control with [data] seed SEED (another data order);
 # --replicate same: with the control's own seed (what GPU nondeterminism alone moves). The comparison sets MHAR's
 # delta against this A/A difference (docs/pair.md, "How sure").
@@ -20,7 +22,7 @@ me=launch/pair.sh
 usage() { sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 die() { echo "$me: $*" >&2; exit 2; }
 
-slurm=0 dry_run=0 nproc="" replicate=""
+slurm=0 dry_run=0 nproc="" replicate="" load_step=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --slurm) slurm=1; shift ;;
@@ -33,6 +35,10 @@ while [[ $# -gt 0 ]]; do
       [[ $# -ge 2 && -n "$2" ]] || die "--replicate needs a seed or 'same'"
       replicate="$2"; shift 2 ;;
     --replicate=*) replicate="${1#*=}"; shift ;;
+    --load-step)
+      [[ $# -ge 2 && -n "$2" ]] || die "--load-step needs a step or 'common'"
+      load_step="$2"; shift 2 ;;
+    --load-step=*) load_step="${1#*=}"; shift ;;
     -h|--help) usage 0 ;;
     --) shift; break ;;
     -*) die "unknown option: $1" ;;
@@ -49,6 +55,8 @@ cd "$(dirname "$0")/.."  # the repo root: configs and runs/ are relative to it
 [[ -f "$mhar" ]] || die "MHAR config not found: $mhar"
 [[ -z "$replicate" || "$replicate" == same || "$replicate" =~ ^[0-9]+$ ]] \
   || die "--replicate takes a data-order seed (a non-negative integer) or 'same', got '$replicate'"
+[[ -z "$load_step" || "$load_step" == common || "$load_step" =~ ^[0-9]+$ ]] \
+  || die "--load-step takes a step (a non-negative integer) or 'common', got '$load_step'"
 if [[ -n "$nproc" ]]; then
   [[ "$nproc" =~ ^[1-9][0-9]*$ ]] || die "--nproc must be a positive integer, got '$nproc'"
   [[ $slurm -eq 0 ]] || die "--nproc is for local runs; with --slurm pass SBATCH_ARGS='--gpus-per-node N'"
@@ -103,6 +111,15 @@ runs="${RUNS_DIR:-runs}/$name"  # RUNS_DIR: another parent folder (absolute, or 
 arms=(control mhar)
 declare -A config_of=([control]="$control" [mhar]="$mhar" [replicate]="$control")
 [[ -z "$replicate" ]] || arms+=(replicate)
+if [[ "$load_step" == common ]]; then  # the newest step complete (.metadata written last) in every arm's run folder
+  load_step=""
+  for meta in $(ls -d "$runs/control/checkpoint"/step-*/.metadata 2>/dev/null | sed 's|.*/step-\([0-9]*\)/.metadata|\1|' | sort -rn); do
+    every=1
+    for arm in "${arms[@]}"; do [[ -f "$runs/$arm/checkpoint/step-$meta/.metadata" ]] || every=0; done
+    if [[ $every -eq 1 ]]; then load_step="$meta"; break; fi
+  done
+  [[ -n "$load_step" ]] || die "--load-step common: no checkpoint step is complete in every arm (${arms[*]}) under $runs"
+fi
 
 cmds=()  # one shell-quoted command per arm
 # W&B (when enabled): project mhar-titan (or $WANDB_PROJECT), the pair's name as the group, one run
@@ -113,6 +130,7 @@ unset WANDB_RUN_ID WANDB_RUN_NAME  # one per arm, not one for both
 for arm in "${arms[@]}"; do
   arm_overrides "$arm" "$@"
   if [[ $arm == replicate && $replicate != same ]]; then arm_args+=(--data.seed "$replicate"); fi  # last: it wins
+  if [[ -n "$load_step" ]]; then arm_args+=(--checkpoint.load_step "$load_step"); fi
   if [[ $slurm -eq 1 ]]; then
     read -ra sbatch_args <<<"${SBATCH_ARGS:-}"
     cmd=(sbatch --job-name "$name-$arm" ${sbatch_args[@]+"${sbatch_args[@]}"}
@@ -128,6 +146,7 @@ info() {
   local again="the control again, data seed $replicate"
   [[ "$replicate" != same ]] || again="the control again, its own data seed"
   echo "# runs: $runs/control and $runs/mhar${replicate:+, and $runs/replicate ($again)}"
+  [[ -z "$load_step" ]] || echo "# every arm resumes from its checkpoint of step $load_step"
   [[ -z "$split_folder" ]] || echo "# checkpoints: ${split_folder%/}/control and ${split_folder%/}/mhar (one folder an arm)"
   [[ $slurm -eq 0 ]] || echo "# logs: logs/$name-control-<jobid>.out and logs/$name-mhar-<jobid>.out"
   echo "# TensorBoard: tensorboard --logdir $runs"

@@ -134,7 +134,8 @@ class Spikes:
     threshold: float = 6.0
     """A step whose (value - median) / (1.4826 x MAD) exceeds this is a spike."""
     keep_checkpoint_before: bool = False
-    """Keep the newest complete checkpoint before each spike out of retention (keep_latest_k), to go back to."""
+    """Keep out of retention (keep_latest_k) the newest complete checkpoint from before the first update that can
+    carry each spike (at step s: s - 2 or earlier; step s - 1 updated the weights that spiked), to go back to."""
 
 
 @dataclass

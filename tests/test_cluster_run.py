@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import REPO, process_tree, torchrun
 from s3_server import SERVERS, s3_server
 
+from mhar_titan.compare.pair import compare
 from mhar_titan.components.lr_schedule import lr_factor
 from mhar_titan.components.param_norms import norm_groups
 from mhar_titan.components.tensorboard_scalars import norm_tag, read_scalars
@@ -29,7 +30,8 @@ from mhar_titan.hf.run import load_run_checkpoint
 STEPS = ("--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2", "--validation.no-enable")
 SCHEDULE = ("--lr_scheduler.total_steps", "12", "--lr_scheduler.warmup_steps", "2")
 ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-ONE_RANK = ("--training.global_batch_size", "8")  # the base's 2 ranks x 4 windows, as 2 microbatches on 1 rank
+ONE_RANK = ("--training.global_batch_size", "8")
+CONFIG = "configs/tiny_cpu.toml"  # the base's 2 ranks x 4 windows, as 2 microbatches on 1 rank
 
 
 def mixture(corpus: Path | str) -> tuple[str, ...]:
@@ -169,6 +171,38 @@ def test_an_allowed_schedule_change_is_applied_from_the_first_resumed_step(base,
     # the fingerprint now holds the values trained with: the same settings resume without allow_changes
     torchrun(resumed, *args[:1], "9", *args[2:])
     assert json.loads((resumed / "fingerprint.json").read_text())["history"] == history
+
+
+def test_a_change_applied_to_both_arms_at_one_step_keeps_the_pair_matched_and_one_arm_alone_does_not(base, tmp_path):
+    """launch/pair.sh --load-step 6: both arms (here two copies of the base run) go back to step 6, past their step 7,
+    with a schedule change; both fingerprints record it at step 6 and the report lists it. The same change in one arm
+    only is named at the top of the report."""
+    run, corpus = base
+    pair = tmp_path / "P"
+    for arm in ("control", "mhar"):
+        copy_run(run, pair / arm)
+    changed = ("--lr_scheduler.total_steps", "14", "--checkpoint.allow_changes", "schedule")
+    args = ("--training.steps", "8", *STEPS, *mixture(corpus), "--lr_scheduler.warmup_steps", "2", *changed)
+    cmd = [str(REPO / "launch" / "pair.sh"), "--nproc", "2", "--load-step", "6", "P", CONFIG, CONFIG, *args]
+    env = {**os.environ, **ENV, "PYTHON": sys.executable, "RUNS_DIR": str(tmp_path)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "every arm resumes from its checkpoint of step 6" in proc.stderr
+    histories = [json.loads((pair / arm / "fingerprint.json").read_text())["history"] for arm in ("control", "mhar")]
+    assert [h["step"] for h in histories[0]] == [6] and histories[0][0]["changes"] == histories[1][0]["changes"]
+    assert read_scalars(pair / "control", "train/loss")[8] == read_scalars(pair / "mhar", "train/loss")[8]
+    result = compare(str(pair))
+    assert result["checks"]["history"]["identical"] is True
+    text = (pair / "compare" / "report.md").read_text()
+    assert "| deliberate changes (`fingerprint.json` history) | the same in both arms (step 6: schedule." in text
+    # the change in one arm only: the other's record without it
+    record = json.loads((pair / "mhar" / "fingerprint.json").read_text())
+    (pair / "mhar" / "fingerprint.json").write_text(json.dumps({**record, "history": []}))
+    result = compare(str(pair))
+    assert result["checks"]["history"]["identical"] is False
+    text = (pair / "compare" / "report.md").read_text()
+    assert "**WARNING: the arms' histories differ" in text and "step 6: control changed schedule." in text
+    assert "mhar changed nothing" in text
 
 
 def test_a_corpus_rewritten_in_place_is_refused_before_the_run_is_touched(base, tmp_path):

@@ -56,6 +56,8 @@ def test_the_record_is_cut_back_at_a_resume_and_names_the_checkpoint_kept(tmp_pa
     assert spikes.read(str(tmp_path)) == made
     assert spikes.cut_back(str(tmp_path), 8) == made[:1] and spikes.read(str(tmp_path)) == made[:1]
     assert spikes.newest_before([2, 4, 6, 8], 8) == 6 and spikes.newest_before([8], 8) is None
+    # a spike seen at step 61 is in the weights step 60 updated: step 60's checkpoint holds it, 59's does not
+    assert spikes.newest_before([58, 59, 60], 61) == 59 and spikes.newest_before([60], 61) is None
     line = made[0].line(6.0, 100)
     assert line.startswith("step 5: loss spike, 9 against a median of 2 over the last 100 steps (robust score 70.0")
     assert line.endswith("checkpoint step-4 kept out of retention")
@@ -105,7 +107,8 @@ def test_a_forced_spike_is_said_recorded_and_the_checkpoint_before_it_kept(tmp_p
     assert {(s.tag, s.kept_checkpoint) for s in recorded if s.step == 8} == {("loss", 6), ("grad_norm", 6)}
     # none before; after it only the gradient norm, raised by the spike's update in Adam's moments
     later = [s for s in recorded if s.step != 8]
-    assert all(s.step > 8 and s.tag == "grad_norm" and s.kept_checkpoint == 8 for s in later), later
+    assert later and all(s.step > 8 and s.tag == "grad_norm" for s in later), later
+    assert all(s.kept_checkpoint == {9: 6, 10: 8}[s.step] for s in later), later  # from before step s - 1's update
     loss = read_scalars(run)
     assert [s.value for s in recorded if s.tag == "loss"] == [pytest.approx(loss[8], rel=1e-6)]
     assert read_scalars(run, "spikes/loss") == {8: pytest.approx(loss[8], rel=1e-6)}

@@ -90,12 +90,16 @@ def plot(out: Path, s: dict[str, Any] | None, control: str, mhar: str) -> Path |
     for i, kind in enumerate(KINDS):
         ax = fig.add_subplot(len(KINDS), 1, i + 1)
         layers = _by_layer(s["at_last"][kind], "layer")
+        drawn = []
         for arm, name, style in (("control", control, "o-"), ("mhar", mhar, "s--")):
             ax.plot([n for n, _ in layers], [v[arm] for _, v in layers], style, label=name, markersize=3)
+            drawn += [v[arm] for _, v in layers]
         routing = sorted((int(mt[2]), v) for g, v in s["mhar_only_last"][kind].items() if (mt := _LAYER.match(g)))
         if routing:
             ax.plot([n for n, _ in routing], [v for _, v in routing], ":", label=f"{mhar} routing")
-        ax.set_yscale("log")
+            drawn += [v for _, v in routing]
+        if drawn and min(drawn) > 0:  # a zero (the update at the warmup's first step) has no place on a log axis
+            ax.set_yscale("log")
         ax.set_ylabel(f"{kind} norm")
         ax.legend(fontsize=7)
     ax.set_xlabel(f"layer (step {s['last']})")

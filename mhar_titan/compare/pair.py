@@ -155,6 +155,27 @@ def _recipe_check(c_run: Path, m_run: Path) -> dict[str, Any]:
 STRAGGLING_TAG, WARNED_TAG = "ranks/straggling", "ranks/stragglers_warned"
 
 
+def _history_check(c_run: Path, m_run: Path) -> dict[str, Any]:
+    """Both arms' deliberate changes (fingerprint.json's history: the step and the settings each resume with
+    `[checkpoint] allow_changes` applied), and whether they are the same: a change applied to one arm only, or at
+    another step, unmatches the pair. `identical` None where an arm recorded no fingerprint."""
+    recorded = {arm: fingerprint.read(str(run)) for arm, run in (("control", c_run), ("mhar", m_run))}
+    if None in recorded.values():
+        return {"identical": None, "events": {}, "differences": []}
+    events = {
+        arm: [(int(e["step"]), tuple(e["changes"])) for e in (rec or {}).get("history", [])]
+        for arm, rec in recorded.items()
+    }
+    differences = []
+    for step in sorted({s for arm_events in events.values() for s, _ in arm_events}):
+        at = {arm: [c for s, c in arm_events if s == step] for arm, arm_events in events.items()}
+        if at["control"] != at["mhar"]:
+            said = {arm: "; ".join(line for c in changes for line in c) or "nothing" for arm, changes in at.items()}
+            differences.append(f"step {step}: control changed {said['control']}, mhar changed {said['mhar']}")
+    as_lists = {arm: [{"step": s, "changes": list(c)} for s, c in e] for arm, e in events.items()}
+    return {"identical": not differences, "events": as_lists, "differences": differences}
+
+
 def _tokens_per_s(cs: dict[str, Series], ms: dict[str, Series]) -> dict[str, Any]:
     """Each arm's median tokens/s and their ratio; each arm's log windows with a rank slower than the others
     (components/rank_timing.py), and the ratio again over the windows where neither arm had one."""
@@ -259,6 +280,7 @@ def compare(
     sets = cval.named_sets(cs, ms, cv, mv)
     checks = _consistency_checks(cs, ms, steps)
     checks["recipe"] = _recipe_check(c_run, m_run)
+    checks["history"] = _history_check(c_run, m_run)
     tps = _tokens_per_s(cs, ms)
     delta_series = _delta_series(cs, ms, steps, deltas, val, changes)
     aa = None

@@ -172,6 +172,14 @@ def _intro_lines(r: dict[str, Any], control: str, mhar: str) -> list[str]:
     ]
     warning = cval.base_warning(r["base"], control, mhar)
     lines += [warning, ""] if warning else []
+    history = r["checks"].get("history", {})
+    if history.get("identical") is False:
+        lines += [
+            "**WARNING: the arms' histories differ, so they are not a matched pair from there on:** "
+            + "; ".join(history["differences"])
+            + ". Apply a change to both arms at one step (`launch/pair.sh --load-step N` with the change).",
+            "",
+        ]
     return lines
 
 
@@ -302,9 +310,20 @@ def _consistency_lines(r: dict[str, Any], control: str, mhar: str) -> list[str]:
         f"| data counters (`data/docs`, `data/tokens/*`: {data['tags']} tags) | "
         f"{_check_text(data, control, mhar, n)} |",
         f"| recorded settings (`fingerprint.json`: base, data, schedule, precision) | {_recipe_text(r)} |",
+        f"| deliberate changes (`fingerprint.json` history) | {_history_text(r['checks'].get('history'))} |",
         "",
     ]
     return lines
+
+
+def _history_text(h: dict[str, Any] | None) -> str:
+    if not h or h["identical"] is None:
+        return "n/a (an arm has no fingerprint.json)"
+    events = h["events"]["control"]
+    if h["identical"]:
+        listed = "; ".join(f"step {e['step']}: {'; '.join(e['changes'])}" for e in events)
+        return f"the same in both arms ({listed})" if events else "none in either arm"
+    return "**differ**: " + "; ".join(h["differences"])
 
 
 def _recipe_text(r: dict[str, Any]) -> str:

@@ -94,8 +94,10 @@ class SpikeMonitor:
 
 
 def newest_before(steps: list[int], step: int) -> int | None:
-    """The newest complete checkpoint's step before `step` (the weights before the spike's update)."""
-    return max((s for s in steps if s < step), default=None)
+    """The newest complete checkpoint from before the first update that can carry a spike seen at `step`: that
+    step's loss and gradient are those of the weights step - 1 updated, so the checkpoint of step - 1 may already
+    hold the spiked update; the newest at step - 2 or earlier does not."""
+    return max((s for s in steps if s < step - 1), default=None)
 
 
 def read(folder: str) -> list[Spike]:
