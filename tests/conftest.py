@@ -28,6 +28,7 @@ SLOWEST_FIRST = (
     "test_slurm_real.py",
     "test_preflight_verdicts.py",
     "test_checkpoint_s3.py",
+    "test_s3_store_errors.py",
     "test_routing_triton.py",
     "test_float8.py",
     "test_train_mhar.py",
