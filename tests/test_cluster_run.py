@@ -195,6 +195,7 @@ def test_a_change_applied_to_both_arms_at_one_step_keeps_the_pair_matched_and_on
     assert result["checks"]["history"]["identical"] is True
     text = (pair / "compare" / "report.md").read_text()
     assert "| deliberate changes (`fingerprint.json` history) | the same in both arms (step 6: schedule." in text
+    assert "rollbacks: control back to step 6 from 7, mhar back to step 6 from 7 |" in text  # from their step-7 end
     # the change in one arm only: the other's record without it
     record = json.loads((pair / "mhar" / "fingerprint.json").read_text())
     (pair / "mhar" / "fingerprint.json").write_text(json.dumps({**record, "history": []}))

@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from mhar_titan.compare import bands, compute, norms, pool, replicate, report, r
 from mhar_titan.compare import validation as cval
 from mhar_titan.compare.report import CHECKED
 from mhar_titan.compare.stats import batch_noise, divergence, median_after_warmup
-from mhar_titan.components import fingerprint, spikes
+from mhar_titan.components import fingerprint, run_record, spikes
 from mhar_titan.components.endings import read_endings
 from mhar_titan.components.tensorboard_scalars import LOSS_TAG, load_scalars
 
@@ -173,7 +174,26 @@ def _history_check(c_run: Path, m_run: Path) -> dict[str, Any]:
             said = {arm: "; ".join(line for c in changes for line in c) or "nothing" for arm, changes in at.items()}
             differences.append(f"step {step}: control changed {said['control']}, mhar changed {said['mhar']}")
     as_lists = {arm: [{"step": s, "changes": list(c)} for s, c in e] for arm, e in events.items()}
-    return {"identical": not differences, "events": as_lists, "differences": differences}
+    rollbacks = {arm: _rollbacks(run) for arm, run in (("control", c_run), ("mhar", m_run))}
+    return {"identical": not differences, "events": as_lists, "differences": differences, "rollbacks": rollbacks}
+
+
+def _rollbacks(run: Path) -> list[dict[str, int]]:
+    """Each start of a job from an earlier step than a job before it had reached (starts.jsonl against
+    endings.jsonl, in time order): a rollback, e.g. to the checkpoint kept before a spike."""
+    events = []
+    starts = run / run_record.STARTS_FILE
+    for line in starts.read_text().splitlines() if starts.is_file() else []:
+        start = json.loads(line)
+        when = datetime.strptime(start["time"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
+        events.append((when, "start", int(start["step"])))
+    events += [(float(e["time"]), "end", int(e["step"])) for e in read_endings(str(run)) if "step" in e]
+    reached, out = -1, []
+    for _, kind, step in sorted(events):
+        if kind == "start" and step < reached:
+            out.append({"step": step, "from": reached})
+        reached = max(reached, step)
+    return out
 
 
 def _tokens_per_s(cs: dict[str, Series], ms: dict[str, Series]) -> dict[str, Any]:

@@ -322,8 +322,15 @@ def _history_text(h: dict[str, Any] | None) -> str:
     events = h["events"]["control"]
     if h["identical"]:
         listed = "; ".join(f"step {e['step']}: {'; '.join(e['changes'])}" for e in events)
-        return f"the same in both arms ({listed})" if events else "none in either arm"
-    return "**differ**: " + "; ".join(h["differences"])
+        said = f"the same in both arms ({listed})" if events else "none in either arm"
+    else:
+        said = "**differ**: " + "; ".join(h["differences"])
+    back = [
+        f"{arm} back to step {r['step']} from {r['from']}"
+        for arm, rows in h.get("rollbacks", {}).items()
+        for r in rows
+    ]  # fmt: skip
+    return said + (f"; rollbacks: {', '.join(back)}" if back else "")
 
 
 def _recipe_text(r: dict[str, Any]) -> str:
