@@ -3,6 +3,9 @@ the steps, and carried through a checkpoint."""
 
 import time
 
+import torch.distributed.checkpoint as dcp
+
+from mhar_titan.components.checkpoint.manager import DataOnlyLoadPlanner
 from mhar_titan.components.compute_clock import STATE, TAG, ComputeClock
 from mhar_titan.components.hooks import Step
 
@@ -26,3 +29,11 @@ def test_steps_count_their_time_times_the_ranks_and_a_checkpoint_carries_the_cou
     assert resumed.gpu_seconds == clock.gpu_seconds
     resumed.load_state_dict({"step": 2})  # a checkpoint from before the count: it starts here
     assert resumed.gpu_seconds == clock.gpu_seconds and STATE in clock.state_dict()
+
+
+def test_a_checkpoint_saved_before_the_count_loads_and_the_count_starts_there(tmp_path):
+    dcp.save({"train_state": {"step": 3}}, checkpoint_id=str(tmp_path / "old"), no_dist=True)
+    state = {"train_state": {"step": 0, STATE: 0.0}}
+    planner = DataOnlyLoadPlanner()
+    dcp.load(state, checkpoint_id=str(tmp_path / "old"), planner=planner, no_dist=True)
+    assert state == {"train_state": {"step": 3, STATE: 0.0}} and planner.absent == [f"train_state.{STATE}"]
