@@ -30,7 +30,7 @@ def test_band_sums_are_the_per_token_ce_of_each_band_and_the_positions_cover_eve
     labels[inputs == EOS] = IGNORE_INDEX
     labels[2, :5] = IGNORE_INDEX
     logits = torch.randn(3, 40, 50)
-    sums = band_sums(logits, labels, inputs, EOS)
+    sums = band_sums(logits, labels, inputs, EOS, IGNORE_INDEX)
     n_pos = len(POSITION_BANDS)
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
     valid = labels.flatten() != IGNORE_INDEX

@@ -12,7 +12,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from mhar_titan.components.param_norms import KINDS
+from mhar_titan.components.tensorboard_scalars import NORM_KINDS as KINDS
 from mhar_titan.components.tensorboard_scalars import NORM_TAG
 
 Series = dict[int, float]

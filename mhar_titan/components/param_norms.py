@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from mhar_titan.components.hooks import Hook, Step
-from mhar_titan.components.tensorboard_scalars import norm_tag
+from mhar_titan.components.tensorboard_scalars import NORM_KINDS, norm_tag
 from mhar_titan.model.model import RoutingSite
 
-KINDS = ("weight", "grad", "update")
+KINDS = NORM_KINDS
 _WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 
+from data.collectives import gather_objects
 from mhar_titan.components.hooks import Hook, Step
 
 MEASURES = ("step_s", "data_s", "compute_s")
@@ -66,10 +67,7 @@ class RankTiming(Hook):
         for layer in layers:  # after fully_shard's own pre-forward hook: the block's weights are there
             layer.register_forward_pre_hook(self._began)
             layer.register_forward_hook(self._ended)
-        self.hosts = [socket.gethostname()]
-        if self.world > 1:
-            self.hosts = [""] * self.world
-            dist.all_gather_object(self.hosts, socket.gethostname())
+        self.hosts = gather_objects(socket.gethostname())
 
     def _stamp(self) -> Any:
         if not self.cuda:

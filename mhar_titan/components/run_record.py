@@ -22,10 +22,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torchtitan.config import JobConfig
+
+if TYPE_CHECKING:  # annotations only: the comparison reads the run's records without loading torchtitan
+    from torchtitan.config import JobConfig
 
 from data.atomic import write_text
 

@@ -33,6 +33,7 @@ OLD_ROUTING_SITE_TAG = re.compile(r"^mhar/(?P<stat>\w+)/layer(?P<layer>\d+)_(?P<
 
 
 # Per-layer norms (components/param_norms.py): one chart group a kind, one chart a layer or named part.
+NORM_KINDS = ("weight", "grad", "update")
 NORM_TAG = re.compile(r"^norms_(?P<kind>weight|grad|update)/(?P<group>\w+)$")
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torchtitan.components.loss import IGNORE_INDEX
 
 POSITION_EDGES = (0, 64, 256, 1024, 4096)
 LENGTH_EDGES = (0, 256, 1024, 4096)
@@ -48,12 +47,15 @@ def token_bands(inputs: torch.Tensor, eos_id: int) -> dict[str, torch.Tensor]:
     return {"position": position, "doc_length": length}
 
 
-def band_sums(logits: torch.Tensor, labels: torch.Tensor, inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """[2, bands of both kinds] float64: each band's CE sum (row 0) and valid tokens (row 1), positions first."""
-    valid = labels != IGNORE_INDEX
+def band_sums(
+    logits: torch.Tensor, labels: torch.Tensor, inputs: torch.Tensor, eos_id: int, ignore_index: int
+) -> torch.Tensor:
+    """[2, bands of both kinds] float64: each band's CE sum (row 0) and valid tokens (row 1), positions first;
+    labels of `ignore_index` count nowhere."""
+    valid = labels != ignore_index
     rows = []
     for r in range(logits.shape[0]):  # a row at a time: one float32 copy of a row's logits, not the batch's
-        rows.append(F.cross_entropy(logits[r].float(), labels[r], ignore_index=IGNORE_INDEX, reduction="none"))
+        rows.append(F.cross_entropy(logits[r].float(), labels[r], ignore_index=ignore_index, reduction="none"))
     ce = torch.stack(rows).double()
     out = []
     for kind, bands in token_bands(inputs, eos_id).items():

@@ -120,7 +120,7 @@ class FixedSetValidator:
                     ce = cross_entropy_sum(logits, labels)
                 rows.append(torch.stack([ce.double(), (labels != IGNORE_INDEX).sum().double()]))
                 if self.tokenizer is not None:
-                    bands.append(band_sums(logits, labels, inputs, self.tokenizer.eos_id))
+                    bands.append(band_sums(logits, labels, inputs, self.tokenizer.eos_id, IGNORE_INDEX))
             mine = self._gather(torch.stack(rows))  # [batches, 2]
             self.per_batch[loader.name] = mine.tolist()
             if bands:
