@@ -93,7 +93,7 @@ class StoreError(OSError):
         self.kind = kind
 
 
-KINDS = ("credentials", "permission", "missing bucket", "throttled", "server", "unreachable")
+KINDS = ("credentials", "permission", "missing bucket", "throttled", "server", "unreachable", "settings")
 
 
 def min_rate() -> float:
@@ -134,6 +134,10 @@ def filesystem(url: str) -> tuple[Any, str]:
     protocol = url.split("://", 1)[0] if "://" in url else "file"
     if protocol not in ("s3", "s3a") or "::" in url:
         return url_to_fs(url)
+    try:
+        min_rate()  # a bad MHAR_STORE_MIN_MB_S named here, before any request, not inside one
+    except ValueError as e:
+        raise StoreError(f"{url}: {e}", "settings") from None
     user = fsspec.config.conf.get("s3", {})  # FSSPEC_S3, as fsspec applies it to s3fs
     key = (
         protocol,

@@ -293,3 +293,10 @@ def test_a_job_whose_store_stops_fails_within_its_bound_saying_its_own_error_bef
     # the steps from the stop to the crash (about 1 s each here), then the last upload's attempts
     bound = 30 + ATTEMPTS * attempt_bound(8 << 20) + BACKOFF_S + SLACK_S
     assert took < bound, f"{took:.1f} s, bound {bound:.1f} s\n{log[-3000:]}"
+
+
+def test_a_bad_minimum_rate_is_named_before_any_request(monkeypatch):
+    monkeypatch.setenv(MIN_RATE_ENV, "abc")
+    with pytest.raises(StoreError, match="^s3://b/x: MHAR_STORE_MIN_MB_S='abc': not a number of MB/s$") as e:
+        filesystem("s3://b/x")
+    assert e.value.kind == "settings"
